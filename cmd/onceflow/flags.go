@@ -1,0 +1,86 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+)
+
+// newFlagSet returns a flag set that reports errors instead of exiting, with a usage text
+// that starts with the command's synopsis.
+func newFlagSet(name, synopsis string) *flag.FlagSet {
+	fs := flag.NewFlagSet("onceflow "+name, flag.ContinueOnError)
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: onceflow %s\n\nFlags (environment variable in brackets):\n", synopsis)
+		fs.PrintDefaults()
+	}
+	return fs
+}
+
+// parse parses args and maps flag errors to errUsage (the flag package already printed why).
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return errUsage
+	}
+	return nil
+}
+
+// envOr returns the environment variable's value, or def when it is unset or empty.
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}
+
+// dbFlags are the connection flags every database command shares.
+type dbFlags struct {
+	url    string
+	schema string
+}
+
+func addDBFlags(fs *flag.FlagSet) *dbFlags {
+	d := &dbFlags{}
+	fs.StringVar(&d.url, "database-url", os.Getenv("DATABASE_URL"), "PostgreSQL connection string [DATABASE_URL]")
+	fs.StringVar(&d.schema, "schema", envOr("ONCEFLOW_SCHEMA", pgsql.DefaultSchema), "schema holding the onceflow tables [ONCEFLOW_SCHEMA]")
+	return d
+}
+
+func (d *dbFlags) validate() error {
+	var problems []string
+	if d.url == "" {
+		problems = append(problems, "no database: set DATABASE_URL or pass --database-url postgres://user@host:5432/db")
+	}
+	if err := pgsql.ValidateSchema(d.schema); err != nil {
+		problems = append(problems, err.Error())
+	}
+	if len(problems) > 0 {
+		return errors.New(strings.Join(problems, "; "))
+	}
+	return nil
+}
+
+func (d *dbFlags) connect(ctx context.Context) (*pgxpool.Pool, error) {
+	if err := d.validate(); err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.New(ctx, d.url)
+	if err != nil {
+		return nil, fmt.Errorf("connect to database: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to database: %w", err)
+	}
+	return pool, nil
+}

@@ -1,0 +1,178 @@
+// Command bench measures onceflow against the plain-Watermill way of doing the same work, side
+// by side in one run on the same embedded PostgreSQL and in-process Kafka (kfake), so the
+// ratios are comparable even on a noisy machine. `make bench` runs it.
+//
+// Output: a table per scenario with the ratio to the baseline, and one machine-readable line
+// per figure: BENCH <scenario> <system> <value> <unit>.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"runtime"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/embedded"
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/migrations"
+)
+
+// result is one measured figure.
+type result struct {
+	Scenario string
+	System   string // "onceflow" or the baseline's name
+	Value    float64
+	Unit     string
+	// HigherIsBetter decides the direction of the ratio in the table.
+	HigherIsBetter bool
+	// Target is the goal for this figure in words ("≥ 10× forwarder"), shown in the table.
+	Target string
+}
+
+// env is the shared infrastructure every scenario runs on.
+type env struct {
+	pgURL   string   // superuser URL of the embedded (or DATABASE_URL) server
+	brokers []string // kfake (or KAFKA_BROKERS)
+	kafka   *embedded.Kafka
+	log     *slog.Logger
+	n       int // schema counter
+}
+
+// freshSchema creates a migrated schema of its own for a scenario and a pool bound to it.
+func (e *env) freshSchema(ctx context.Context, name string) (*pgxpool.Pool, string, error) {
+	e.n++
+	schema := fmt.Sprintf("bench_%s_%d", name, e.n)
+	cfg, err := pgxpool.ParseConfig(e.pgURL)
+	if err != nil {
+		return nil, "", err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = 32
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, "", err
+	}
+	if _, err := pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgsql.Ident(schema)+" CASCADE"); err != nil {
+		pool.Close()
+		return nil, "", err
+	}
+	if _, err := migrations.Up(ctx, pool, migrations.Options{Schema: schema}); err != nil {
+		pool.Close()
+		return nil, "", err
+	}
+	return pool, schema, nil
+}
+
+// scenario is one named measurement; it returns a figure per system.
+type scenario struct {
+	name string
+	run  func(ctx context.Context, e *env) ([]result, error)
+}
+
+// scenarios lists every benchmark in the order they run and print.
+var scenarios = []scenario{
+	{"outbox_write", benchOutboxWrite},
+}
+
+func main() {
+	only := flag.String("only", "", "comma-separated scenario names to run (default: all)")
+	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	if err := run(ctx, *only); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, only string) error {
+	e := &env{log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	e.pgURL = os.Getenv("DATABASE_URL")
+	if e.pgURL == "" {
+		// Production-like durability (fsync and synchronous_commit on) so commit costs are real.
+		pg, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{Durable: true})
+		if err != nil {
+			return err
+		}
+		defer pg.Stop()
+		e.pgURL = pg.URL()
+	}
+	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
+		e.brokers = strings.Split(b, ",")
+	} else {
+		k, err := embedded.StartKafka(1)
+		if err != nil {
+			return err
+		}
+		defer k.Stop()
+		e.kafka, e.brokers = k, k.Brokers()
+	}
+	fmt.Printf("onceflow bench — %s, %d CPUs, %s/%s, %s\n\n", time.Now().UTC().Format("2006-01-02 15:04 UTC"), runtime.NumCPU(), runtime.GOOS, runtime.GOARCH, runtime.Version())
+	var all []result
+	for _, s := range scenarios {
+		if only != "" && !slices.Contains(strings.Split(only, ","), s.name) {
+			continue
+		}
+		fmt.Fprintf(os.Stderr, "running %s ...\n", s.name)
+		rs, err := s.run(ctx, e)
+		if err != nil {
+			return fmt.Errorf("scenario %s: %w", s.name, err)
+		}
+		all = append(all, rs...)
+	}
+	printTable(all)
+	return nil
+}
+
+func printTable(rs []result) {
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "SCENARIO\tSYSTEM\tVALUE\tUNIT\tVS BASELINE\tTARGET")
+	for _, r := range rs {
+		ratio := "-"
+		if r.System != "onceflow" {
+			ratio = "baseline"
+		} else if base, ok := baseline(rs, r.Scenario); ok && base.Value > 0 && r.Value > 0 {
+			if r.HigherIsBetter {
+				ratio = fmt.Sprintf("%.2f× faster", r.Value/base.Value)
+			} else {
+				ratio = fmt.Sprintf("%.2f× lower", base.Value/r.Value)
+			}
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", r.Scenario, r.System, formatValue(r.Value), r.Unit, ratio, r.Target)
+	}
+	tw.Flush()
+	fmt.Println()
+	for _, r := range rs {
+		fmt.Printf("BENCH %s %s %s %s\n", r.Scenario, r.System, formatValue(r.Value), r.Unit)
+	}
+}
+
+// baseline is the first non-onceflow figure of a scenario.
+func baseline(rs []result, scenario string) (result, bool) {
+	for _, r := range rs {
+		if r.Scenario == scenario && r.System != "onceflow" {
+			return r, true
+		}
+	}
+	return result{}, false
+}
+
+func formatValue(v float64) string {
+	switch {
+	case v >= 100:
+		return fmt.Sprintf("%.0f", v)
+	case v >= 10:
+		return fmt.Sprintf("%.1f", v)
+	default:
+		return fmt.Sprintf("%.2f", v)
+	}
+}

@@ -1,0 +1,198 @@
+// Package embedded starts throwaway infrastructure for tests, benchmarks and the demo:
+// a PostgreSQL cluster from the installed binaries and an in-process Kafka (kfake).
+// Nothing is downloaded; a cluster lives in a temporary folder and is removed by Stop.
+package embedded
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// PostgresOptions tunes a throwaway cluster. The zero value is what tests use.
+type PostgresOptions struct {
+	// Durable keeps fsync and synchronous_commit on, as a production server would run.
+	// Default false: tests trade durability for speed because the cluster is thrown away.
+	Durable bool
+	// MaxConnections is the server's max_connections. Default 300, enough for parallel tests.
+	MaxConnections int
+	// Logf receives progress lines; nil discards them.
+	Logf func(format string, args ...any)
+}
+
+// Postgres is a running throwaway cluster.
+type Postgres struct {
+	dir  string
+	port int
+	cred *syscall.Credential
+	url  string
+}
+
+// URL is the connection string of the cluster's "postgres" database, as the superuser.
+func (p *Postgres) URL() string { return p.url }
+
+// Dir is the folder holding the cluster's data; removed by Stop.
+func (p *Postgres) Dir() string { return p.dir }
+
+// StartPostgres creates and starts a cluster in a new temporary folder with initdb and pg_ctl
+// found on PATH (or in /usr/lib/postgresql/*/bin). When running as root it runs them as the
+// "postgres" user, because PostgreSQL refuses to run as root.
+func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error) {
+	if opts.MaxConnections == 0 {
+		opts.MaxConnections = 300
+	}
+	logf := opts.Logf
+	if logf == nil {
+		logf = func(string, ...any) {}
+	}
+	initdb, err := findPGBinary("initdb")
+	if err != nil {
+		return nil, err
+	}
+	pgctl, err := findPGBinary("pg_ctl")
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "onceflow-pg-")
+	if err != nil {
+		return nil, fmt.Errorf("embedded postgres: create temp dir: %w", err)
+	}
+	p := &Postgres{dir: dir}
+	if os.Geteuid() == 0 {
+		cred, err := postgresCredential()
+		if err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+		p.cred = cred
+		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("embedded postgres: chown %s: %w", dir, err)
+		}
+	}
+	port, err := freePort()
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	p.port = port
+	data := filepath.Join(dir, "data")
+	start := time.Now()
+	if out, err := p.run(ctx, initdb, "-D", data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("embedded postgres: initdb: %w\n%s", err, out)
+	}
+	conf := []string{
+		"listen_addresses = '127.0.0.1'",
+		"port = " + strconv.Itoa(port),
+		"unix_socket_directories = '" + dir + "'",
+		"max_connections = " + strconv.Itoa(opts.MaxConnections),
+		"shared_buffers = 128MB",
+		"log_min_messages = warning",
+		"logging_collector = off",
+	}
+	if !opts.Durable {
+		conf = append(conf, "fsync = off", "synchronous_commit = off", "full_page_writes = off")
+	}
+	f, err := os.OpenFile(filepath.Join(data, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err == nil {
+		_, err = f.WriteString("\n" + strings.Join(conf, "\n") + "\n")
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+	}
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("embedded postgres: write config: %w", err)
+	}
+	if out, err := p.run(ctx, pgctl, "-D", data, "-l", filepath.Join(dir, "server.log"), "-w", "-t", "60", "start"); err != nil {
+		log, _ := os.ReadFile(filepath.Join(dir, "server.log"))
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("embedded postgres: pg_ctl start: %w\n%s\n%s", err, out, log)
+	}
+	p.url = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
+	// pg_ctl -w returns when the server accepts connections; check once so a broken start is
+	// reported here rather than as a confusing failure in the first test.
+	conn, err := pgx.Connect(ctx, p.url)
+	if err != nil {
+		p.Stop()
+		return nil, fmt.Errorf("embedded postgres: connect after start: %w", err)
+	}
+	conn.Close(ctx)
+	logf("embedded postgres on port %d started in %s (%s)", port, time.Since(start).Round(time.Millisecond), dir)
+	return p, nil
+}
+
+// Stop shuts the cluster down immediately and removes its folder.
+func (p *Postgres) Stop() error {
+	if p == nil {
+		return nil
+	}
+	pgctl, err := findPGBinary("pg_ctl")
+	var stopErr error
+	if err == nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if out, err := p.run(ctx, pgctl, "-D", filepath.Join(p.dir, "data"), "-m", "immediate", "-w", "stop"); err != nil {
+			stopErr = fmt.Errorf("embedded postgres: pg_ctl stop: %w\n%s", err, out)
+		}
+	}
+	if err := os.RemoveAll(p.dir); err != nil && stopErr == nil {
+		stopErr = err
+	}
+	return stopErr
+}
+
+func (p *Postgres) run(ctx context.Context, bin string, args ...string) ([]byte, error) {
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Dir = p.dir
+	cmd.Env = append(os.Environ(), "LC_ALL=C")
+	if p.cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: p.cred}
+	}
+	return cmd.CombinedOutput()
+}
+
+func findPGBinary(name string) (string, error) {
+	if path, err := exec.LookPath(name); err == nil {
+		return path, nil
+	}
+	matches, _ := filepath.Glob("/usr/lib/postgresql/*/bin/" + name)
+	if len(matches) > 0 {
+		return matches[len(matches)-1], nil
+	}
+	return "", fmt.Errorf("embedded postgres: %s not found on PATH or in /usr/lib/postgresql/*/bin; install PostgreSQL (apt-get install -y postgresql) or set DATABASE_URL", name)
+}
+
+func postgresCredential() (*syscall.Credential, error) {
+	u, err := user.Lookup("postgres")
+	if err != nil {
+		return nil, fmt.Errorf("embedded postgres: running as root needs a \"postgres\" user (PostgreSQL refuses root): %w", err)
+	}
+	uid, err1 := strconv.ParseUint(u.Uid, 10, 32)
+	gid, err2 := strconv.ParseUint(u.Gid, 10, 32)
+	if err := errors.Join(err1, err2); err != nil {
+		return nil, fmt.Errorf("embedded postgres: parse postgres uid/gid: %w", err)
+	}
+	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("embedded postgres: find a free port: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}

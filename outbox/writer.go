@@ -1,0 +1,192 @@
+// Package outbox writes domain events into the outbox table inside the caller's transaction,
+// so an event exists if and only if its business transaction commits.
+//
+// The primary API is transaction-first:
+//
+//	tx, _ := pool.Begin(ctx)
+//	// ... business writes on tx ...
+//	err := outbox.WriteTx(ctx, tx, "orders", outbox.NewMessage(payload))
+//	// ... tx.Commit(ctx)
+//
+// Code written against Watermill can use a message.Publisher instead: NewTxPublisher binds one
+// to a transaction, and ContextPublisher finds the transaction in each message's context
+// (ContextWithTx), which is what a cqrs.EventBus needs.
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+)
+
+// DefaultMaxPayloadBytes is the default payload limit: 1 MiB, Kafka's default message size.
+const DefaultMaxPayloadBytes = 1 << 20
+
+// Validation errors, wrapped in a *ValidationError that names the message.
+var (
+	ErrEmptyTopic      = errors.New("topic is empty")
+	ErrNilPayload      = errors.New("payload is nil (use []byte{} for an empty payload)")
+	ErrPayloadTooLarge = errors.New("payload exceeds the configured limit")
+	ErrInvalidUUID     = errors.New("message UUID is not a valid UUID (create messages with outbox.NewMessage)")
+	ErrNoMessages      = errors.New("no messages to write")
+)
+
+// ValidationError reports which message of a write call was refused and why.
+// When a call has any invalid message, none of its messages are written.
+type ValidationError struct {
+	Index int    // position of the message in the call
+	UUID  string // the message's UUID as given
+	Err   error  // one of the Err* sentinels, possibly wrapped with detail
+}
+
+func (e *ValidationError) Error() string {
+	return fmt.Sprintf("outbox: message %d (uuid %q): %v", e.Index, e.UUID, e.Err)
+}
+
+func (e *ValidationError) Unwrap() error { return e.Err }
+
+// Config configures a Writer. The zero value is valid and uses the defaults.
+type Config struct {
+	// Schema holds the outbox table. Default "onceflow".
+	Schema string
+	// MaxPayloadBytes refuses larger payloads. Default DefaultMaxPayloadBytes (1 MiB).
+	MaxPayloadBytes int
+	// DisableNotify skips the pg_notify wake-up. Default false: every write call sends one
+	// notification on NotifyChannel(Schema), delivered by PostgreSQL only when the
+	// transaction commits, so relays wake at once instead of at their next poll.
+	DisableNotify bool
+}
+
+// NotifyChannel is the LISTEN/NOTIFY channel a write call signals on commit: the schema name
+// followed by "_outbox" ("onceflow_outbox" by default). The payload is empty.
+func NotifyChannel(schema string) string { return schema + "_outbox" }
+
+// Writer inserts messages into the outbox. It is safe for concurrent use.
+type Writer struct {
+	cfg       Config
+	insertSQL string
+}
+
+// NewWriter validates cfg and returns a Writer.
+func NewWriter(cfg Config) (*Writer, error) {
+	if cfg.Schema == "" {
+		cfg.Schema = pgsql.DefaultSchema
+	}
+	var problems []error
+	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
+		problems = append(problems, err)
+	}
+	if cfg.MaxPayloadBytes < 0 {
+		problems = append(problems, fmt.Errorf("MaxPayloadBytes is %d; use 0 for the default (%d) or a positive limit", cfg.MaxPayloadBytes, DefaultMaxPayloadBytes))
+	}
+	if cfg.MaxPayloadBytes == 0 {
+		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
+	}
+	if err := errors.Join(problems...); err != nil {
+		return nil, fmt.Errorf("outbox: invalid config: %w", err)
+	}
+	// One statement, one round trip: the arrays are unnested in order, so ids (the relay's claim
+	// order) follow the order of the messages in the call. The notification rides along in a
+	// CTE joined into the result so it runs exactly once per call.
+	insert := `INSERT INTO ` + pgsql.Table(cfg.Schema, "outbox") + ` (event_id, topic, partition_key, key_hash, payload, metadata)
+	SELECT e, $1, k, h, p, m::jsonb FROM unnest($2::uuid[], $3::text[], $4::bigint[], $5::bytea[], $6::text[]) AS u(e, k, h, p, m)
+	RETURNING 1`
+	sql := `WITH ins AS (` + insert + `) SELECT count(*) FROM ins`
+	if !cfg.DisableNotify {
+		sql = `WITH ins AS (` + insert + `), wake AS (SELECT pg_notify($7, '')) SELECT count(*) FROM ins, wake`
+	}
+	return &Writer{cfg: cfg, insertSQL: sql}, nil
+}
+
+// Config returns the writer's configuration with defaults filled in.
+func (w *Writer) Config() Config { return w.cfg }
+
+var defaultWriter, _ = NewWriter(Config{})
+
+// WriteTx writes msgs to topic with the default configuration (schema "onceflow", 1 MiB limit,
+// notify on commit). See Writer.WriteTx.
+func WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
+	return defaultWriter.WriteTx(ctx, tx, topic, msgs...)
+}
+
+// WriteTx inserts msgs into the outbox as part of tx, in one round trip, keeping each
+// message's UUID, payload bytes, metadata and partition key. The rows become visible to the
+// relay when tx commits and vanish if it rolls back. If any message is invalid, nothing of the
+// call is written and the error names the message (see ValidationError).
+func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
+	if topic == "" {
+		return fmt.Errorf("outbox: %w", ErrEmptyTopic)
+	}
+	if len(msgs) == 0 {
+		return fmt.Errorf("outbox: %w", ErrNoMessages)
+	}
+	ids := make([]string, len(msgs))
+	keys := make([]string, len(msgs))
+	hashes := make([]int64, len(msgs))
+	payloads := make([][]byte, len(msgs))
+	metas := make([]string, len(msgs))
+	var problems []error
+	for i, msg := range msgs {
+		if msg == nil {
+			problems = append(problems, &ValidationError{Index: i, Err: errors.New("message is nil")})
+			continue
+		}
+		id, err := uuid.Parse(msg.UUID)
+		switch {
+		case err != nil:
+			problems = append(problems, &ValidationError{Index: i, UUID: msg.UUID, Err: ErrInvalidUUID})
+		case msg.Payload == nil:
+			problems = append(problems, &ValidationError{Index: i, UUID: msg.UUID, Err: ErrNilPayload})
+		case len(msg.Payload) > w.cfg.MaxPayloadBytes:
+			problems = append(problems, &ValidationError{Index: i, UUID: msg.UUID,
+				Err: fmt.Errorf("%w: %d bytes > %d (raise Config.MaxPayloadBytes, and the broker's message.max.bytes, or store the data elsewhere and send a reference)", ErrPayloadTooLarge, len(msg.Payload), w.cfg.MaxPayloadBytes)})
+		}
+		if len(problems) > 0 {
+			continue // keep validating to report every problem, but build nothing more
+		}
+		meta, err := json.Marshal(msg.Metadata)
+		if err != nil {
+			return fmt.Errorf("outbox: encode metadata of message %d: %w", i, err)
+		}
+		ids[i] = id.String()
+		keys[i] = PartitionKey(msg)
+		hashes[i] = int64(keyHash(keys[i], ids[i]))
+		payloads[i] = msg.Payload
+		metas[i] = string(meta)
+	}
+	if err := errors.Join(problems...); err != nil {
+		return err
+	}
+	args := []any{topic, ids, keys, hashes, payloads, metas}
+	if !w.cfg.DisableNotify {
+		args = append(args, NotifyChannel(w.cfg.Schema))
+	}
+	var n int64
+	if err := tx.QueryRow(ctx, w.insertSQL, args...).Scan(&n); err != nil {
+		return fmt.Errorf("outbox: insert %d messages into %s.outbox: %w", len(msgs), w.cfg.Schema, err)
+	}
+	if n != int64(len(msgs)) {
+		return fmt.Errorf("outbox: inserted %d rows for %d messages", n, len(msgs))
+	}
+	return nil
+}
+
+// keyHash spreads rows over the relay's virtual shards: FNV-1a 32 of the partition key, so all
+// messages of a key land in one shard (and keep their order); messages without a key are
+// spread by their id.
+func keyHash(key, id string) uint32 {
+	h := fnv.New32a()
+	if key == "" {
+		key = id
+	}
+	h.Write([]byte(key))
+	return h.Sum32()
+}
