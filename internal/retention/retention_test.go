@@ -57,7 +57,6 @@ func (f *fakeExec) Exec(_ context.Context, _ string, args ...any) (pgconn.Comman
 	return pgconn.NewCommandTag("DELETE " + strconv.FormatInt(n, 10)), nil
 }
 
-
 func TestDeleteInBatchesStopsOnShortBatch(t *testing.T) {
 	f := &fakeExec{remaining: 2500}
 	n, err := DeleteInBatches(context.Background(), f, "DELETE", 1000)
