@@ -1,0 +1,201 @@
+package relay
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+)
+
+// Defaults used when a Config field is left zero.
+const (
+	DefaultBatchSize       = 1000
+	DefaultPollInterval    = time.Second
+	DefaultShards          = 64
+	DefaultLeaseDuration   = 8 * time.Second
+	DefaultMaxAttempts     = 10
+	DefaultRetryBackoff    = 100 * time.Millisecond
+	DefaultMaxRetryBackoff = 30 * time.Second
+	DefaultShutdownTimeout = 10 * time.Second
+	DefaultStatsInterval   = 10 * time.Second
+)
+
+// Limits enforced by Config validation.
+const (
+	MaxShards    = 1 << 16
+	MaxBatchSize = 100_000
+	// MinLeaseDuration keeps renewals (every LeaseDuration/4) from turning into a busy loop.
+	MinLeaseDuration = 400 * time.Millisecond
+	// MinPollInterval keeps an idle relay from hammering the database.
+	MinPollInterval = 5 * time.Millisecond
+	maxInstanceID   = 200
+)
+
+// Config configures a Relay. The zero value is valid and uses the documented defaults; New
+// reports every invalid field at once.
+type Config struct {
+	// Schema holds the outbox and relay tables. Default "onceflow".
+	Schema string
+
+	// BatchSize is the most rows claimed, and sent to the broker in one round trip, at a time.
+	// Default 1000. Memory per relay is about BatchSize × the largest payload.
+	BatchSize int
+
+	// PollInterval is how long an idle relay waits before looking for rows when no
+	// notification arrived. Rows normally wake the relay at once through LISTEN/NOTIFY; the poll
+	// covers lost notifications and writers with notify disabled. Default 1s (an idle relay
+	// costs about one claim query per PollInterval plus one lease round trip per LeaseDuration/4).
+	PollInterval time.Duration
+
+	// Shards is the number of virtual shards rows are spread over (key_hash % Shards). Each
+	// shard is published by one relay at a time. Every relay of a schema must use the same
+	// number: New's relay refuses to start when the lease table holds a different one (see
+	// Reshard). Default 64; more shards than relays lets the work spread evenly.
+	Shards int
+
+	// LeaseDuration is how long a shard lease lasts without renewal. Relays renew every
+	// LeaseDuration/4 and stop publishing a shard once their last successful renewal (timed
+	// from when it was sent) is older than LeaseDuration minus LeaseDuration/4, so they stop
+	// before the lease can expire in the database. A dead relay's shards are taken over at most
+	// LeaseDuration + LeaseDuration/4 after its last renewal. Default 8s: failover ≤ 10s.
+	LeaseDuration time.Duration
+
+	// MaxAttempts is how many times a row may be refused by the broker with a permanent error
+	// (message too large, invalid record, ...) before it is parked in outbox_parked so the rows
+	// behind it can flow. Transient errors (broker down, timeouts) never count. Default 10.
+	MaxAttempts int
+
+	// RetryBackoff is the first wait after a failed publish; each further failure doubles it up
+	// to MaxRetryBackoff, with ±25% jitter. Defaults 100ms and 30s.
+	RetryBackoff    time.Duration
+	MaxRetryBackoff time.Duration
+
+	// ShutdownTimeout is how long Run waits, once its context is cancelled, for the batch in
+	// flight to be acknowledged before abandoning it (its rows stay and are published again
+	// later, with the same event ids). Default 10s.
+	ShutdownTimeout time.Duration
+
+	// StatsInterval is how often the relay samples the number of pending rows and the age of
+	// the oldest for Metrics.Pending. Default 10s; negative disables sampling.
+	StatsInterval time.Duration
+
+	// InstanceID names this relay in the lease table. It must be unique among running relays.
+	// A relay restarted with the same id takes over its own leases at once instead of waiting
+	// for them to expire. Default "<hostname>-<pid>".
+	InstanceID string
+
+	// DisableListen turns off LISTEN/NOTIFY; the relay then finds rows by polling only.
+	DisableListen bool
+
+	// Logger receives the relay's logs. Default: slog.Default().
+	Logger *slog.Logger
+
+	// Metrics receives the relay's measurements. Default: none (see relay/relayprom).
+	Metrics Metrics
+}
+
+// renewInterval is how often leases are renewed and membership refreshed.
+func (c Config) renewInterval() time.Duration { return c.LeaseDuration / 4 }
+
+// fenceMargin is how long before the database expiry a relay stops publishing a shard.
+func (c Config) fenceMargin() time.Duration { return c.LeaseDuration / 4 }
+
+// FailoverBound is the longest a shard of a relay that died stays unpublished: its lease
+// expires LeaseDuration after its last renewal and the other relays look every
+// LeaseDuration/4.
+func (c Config) FailoverBound() time.Duration {
+	c, _ = c.withDefaults()
+	return c.LeaseDuration + c.renewInterval()
+}
+
+// withDefaults fills zero fields and validates the result, reporting every problem.
+func (c Config) withDefaults() (Config, error) {
+	if c.Schema == "" {
+		c.Schema = pgsql.DefaultSchema
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.Shards == 0 {
+		c.Shards = DefaultShards
+	}
+	if c.LeaseDuration == 0 {
+		c.LeaseDuration = DefaultLeaseDuration
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultMaxAttempts
+	}
+	if c.RetryBackoff == 0 {
+		c.RetryBackoff = DefaultRetryBackoff
+	}
+	if c.MaxRetryBackoff == 0 {
+		c.MaxRetryBackoff = DefaultMaxRetryBackoff
+	}
+	if c.ShutdownTimeout == 0 {
+		c.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if c.StatsInterval == 0 {
+		c.StatsInterval = DefaultStatsInterval
+	}
+	if c.InstanceID == "" {
+		c.InstanceID = defaultInstanceID()
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if c.Metrics == nil {
+		c.Metrics = NopMetrics{}
+	}
+
+	var problems []error
+	add := func(format string, args ...any) { problems = append(problems, fmt.Errorf(format, args...)) }
+	if err := pgsql.ValidateSchema(c.Schema); err != nil {
+		problems = append(problems, err)
+	}
+	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
+		add("BatchSize is %d; use 1 to %d (0 means the default %d)", c.BatchSize, MaxBatchSize, DefaultBatchSize)
+	}
+	if c.PollInterval < MinPollInterval {
+		add("PollInterval is %s; use at least %s (0 means the default %s)", c.PollInterval, MinPollInterval, DefaultPollInterval)
+	}
+	if c.Shards < 1 || c.Shards > MaxShards {
+		add("Shards is %d; use 1 to %d (0 means the default %d)", c.Shards, MaxShards, DefaultShards)
+	}
+	if c.LeaseDuration < MinLeaseDuration {
+		add("LeaseDuration is %s; use at least %s (0 means the default %s)", c.LeaseDuration, MinLeaseDuration, DefaultLeaseDuration)
+	}
+	if c.MaxAttempts < 1 {
+		add("MaxAttempts is %d; use 1 or more (0 means the default %d)", c.MaxAttempts, DefaultMaxAttempts)
+	}
+	if c.RetryBackoff < 0 {
+		add("RetryBackoff is %s; use a positive duration (0 means the default %s)", c.RetryBackoff, DefaultRetryBackoff)
+	}
+	if c.MaxRetryBackoff < c.RetryBackoff {
+		add("MaxRetryBackoff (%s) is shorter than RetryBackoff (%s)", c.MaxRetryBackoff, c.RetryBackoff)
+	}
+	if c.ShutdownTimeout < 0 {
+		add("ShutdownTimeout is %s; use a positive duration (0 means the default %s)", c.ShutdownTimeout, DefaultShutdownTimeout)
+	}
+	if len(c.InstanceID) > maxInstanceID {
+		add("InstanceID is %d bytes long; use at most %d", len(c.InstanceID), maxInstanceID)
+	}
+	if err := errors.Join(problems...); err != nil {
+		return c, fmt.Errorf("relay: invalid config: %w", err)
+	}
+	return c, nil
+}
+
+func defaultInstanceID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "relay"
+	}
+	return host + "-" + strconv.Itoa(os.Getpid())
+}

@@ -1,0 +1,48 @@
+// Package relay publishes the transactional outbox to a broker: it claims committed rows in
+// id order, publishes them (to Kafka through an idempotent producer, or to any Watermill
+// publisher), and deletes exactly the rows the broker acknowledged. A crash anywhere in
+// between leaves the rows in place, so they are published again with the same event id:
+// delivery is at-least-once, identity is stable, and consumers deduplicate with the inbox.
+//
+//	sink, _ := relay.NewKafkaSink(relay.KafkaConfig{Brokers: []string{"localhost:9092"}})
+//	r, _ := relay.New(pool, sink, relay.Config{})
+//	err := r.Run(ctx) // until ctx is cancelled
+//
+// # Wake-up
+//
+// The outbox writer sends a NOTIFY on commit; the relay LISTENs on a dedicated connection and
+// claims at once. A poll every Config.PollInterval (default 1s) covers lost notifications. A
+// full batch is followed immediately by the next claim.
+//
+// # No foreign stall
+//
+// A claim is a plain SELECT of committed rows: an unrelated open transaction never delays it,
+// and a row committed late with a smaller id is simply picked up by a later claim. There is no
+// offset to skip past it: deleting acknowledged rows is how the relay advances.
+//
+// # Per-key order and several relays
+//
+// Rows are spread over Config.Shards virtual shards by their key hash (rows without a key by
+// their event id). Each shard is leased to one relay at a time in the relay_lease table; relays
+// heartbeat in relay_member and each takes a fair share, so shards rebalance when relays start,
+// stop or die (failover at most Config.FailoverBound, 10s by default). A relay stops publishing
+// a shard before its lease can expire in the database (fencing), and attempts and parking
+// require the lease's epoch to be unchanged.
+//
+// Order precondition: the relay publishes a key's rows in id order, and ids follow commit
+// order only for writes the application serialises. Write the events of one key from
+// transactions that are serialised per key (e.g. by locking the aggregate row with SELECT ...
+// FOR UPDATE, or by updating it), then the consumer sees the key's events in commit order.
+// Duplicates (after a crash between publish and delete) repeat an earlier event with the same
+// id; the first occurrences are always in order.
+//
+// # Failures
+//
+// Transient broker errors leave the rows in place and retry with capped exponential backoff
+// and jitter, for as long as it takes; they never park anything. A row the broker refuses
+// permanently (too large, invalid record) blocks only its own key: later rows of that key wait,
+// other keys flow. After Config.MaxAttempts such refusals (counted in outbox.attempts) the row
+// is parked in outbox_parked with its error, and the key moves on without it, which breaks
+// that key's order by design. Admin.ReplayTx (onceflow outbox replay) moves parked rows back
+// with their original event id.
+package relay

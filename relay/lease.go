@@ -1,0 +1,380 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// leases tracks the shard leases this relay holds and keeps them alive.
+//
+// Protocol (all expiry comparisons use the database clock, now()):
+//   - every renewInterval the relay heartbeats its relay_member row, renews the leases it holds
+//     (owner and epoch must still match) and reads the live members; its fair share of the
+//     shards follows from its rank among them;
+//   - it takes free or expired shards up to its share, bumping each shard's epoch (the fencing
+//     token), and gives back shards above its share between two batches, when nothing of them
+//     is in flight;
+//   - it publishes a shard only while its last successful renewal, timed from when the renewal
+//     was sent (monotonic clock), is younger than LeaseDuration minus the fence margin. The
+//     database lease lasts LeaseDuration from a moment after that send, so the relay stops
+//     before anyone else may take the shard. When the fence lapses, the batch in flight is
+//     cancelled and every shard is dropped until it is acquired again with a new epoch.
+type leases struct {
+	cfg  Config
+	pool *pgxpool.Pool
+	q    *queries
+	log  *slog.Logger
+	m    Metrics
+	host string
+	pid  int
+
+	mu         sync.Mutex
+	owned      map[int]int64 // shard → epoch
+	release    map[int]bool  // owned shards to give back at the next batch boundary
+	validUntil time.Time     // publishing allowed while time.Now() is before it
+	lastOK     time.Time     // last successful tick, for Health
+	inflight   context.CancelFunc
+	fence      *time.Timer
+	ticks      int
+
+	changed chan struct{} // shards acquired: wake the publishing loop
+}
+
+func newLeases(cfg Config, pool *pgxpool.Pool, q *queries, m Metrics) *leases {
+	host, _ := os.Hostname()
+	return &leases{
+		cfg: cfg, pool: pool, q: q, log: cfg.Logger, m: m, host: host, pid: os.Getpid(),
+		owned: map[int]int64{}, release: map[int]bool{},
+		changed: make(chan struct{}, 1),
+	}
+}
+
+// snapshot is the set of shards one batch publishes.
+type snapshot struct {
+	shards []int   // sorted
+	epochs []int64 // indexed by shard; -1 where not owned
+	all    bool    // every shard is owned: the claim needs no shard filter
+}
+
+// begin returns the shards the next batch may publish, or ok=false when none, together with a
+// context that is cancelled if the fence lapses or a shard is lost while the batch runs. done
+// must be called when the batch is over.
+func (l *leases) begin(parent context.Context) (s snapshot, ctx context.Context, done func(), ok bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.owned) == 0 || !time.Now().Before(l.validUntil) {
+		return snapshot{}, nil, nil, false
+	}
+	s.epochs = make([]int64, l.cfg.Shards)
+	for i := range s.epochs {
+		s.epochs[i] = -1
+	}
+	for shard, epoch := range l.owned {
+		if l.release[shard] {
+			continue
+		}
+		s.shards = append(s.shards, shard)
+		s.epochs[shard] = epoch
+	}
+	if len(s.shards) == 0 {
+		return snapshot{}, nil, nil, false
+	}
+	slices.Sort(s.shards)
+	s.all = len(s.shards) == l.cfg.Shards
+	ctx, cancel := context.WithCancel(parent)
+	l.inflight = cancel
+	return s, ctx, func() {
+		l.mu.Lock()
+		l.inflight = nil
+		l.mu.Unlock()
+		cancel()
+	}, true
+}
+
+// takeReleases removes the shards marked for release from the owned set and returns them with
+// their epochs. Called by the publishing loop between batches.
+func (l *leases) takeReleases() (shards []int, epochs []int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for shard := range l.release {
+		if epoch, ok := l.owned[shard]; ok {
+			shards = append(shards, shard)
+			epochs = append(epochs, epoch)
+			delete(l.owned, shard)
+		}
+		delete(l.release, shard)
+	}
+	if len(shards) > 0 {
+		l.m.OwnedShards(len(l.owned))
+	}
+	return shards, epochs
+}
+
+// giveBack frees shards in the database so another relay can take them at once.
+func (l *leases) giveBack(ctx context.Context, shards []int, epochs []int64) error {
+	if len(shards) == 0 {
+		return nil
+	}
+	_, err := l.pool.Exec(ctx, l.q.release, l.cfg.InstanceID, shards, epochs)
+	if err != nil {
+		return fmt.Errorf("release shards %v: %w", shards, err)
+	}
+	l.log.Info("relay released shards", "shards", len(shards))
+	return nil
+}
+
+// run renews, acquires and rebalances until ctx is done.
+func (l *leases) run(ctx context.Context) {
+	t := time.NewTimer(0)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := l.tick(ctx); err != nil && ctx.Err() == nil {
+			l.m.Failed(FailDatabase, 1)
+			l.log.Warn("relay lease renewal failed; publishing continues until the lease fence, then stops until the database answers again",
+				"err", err, "fence_in", time.Until(l.fenceDeadline()).Round(time.Millisecond))
+		}
+		t.Reset(l.cfg.renewInterval())
+	}
+}
+
+func (l *leases) fenceDeadline() time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.validUntil
+}
+
+// tick is one renewal round trip, plus an acquisition when below the fair share.
+func (l *leases) tick(ctx context.Context) error {
+	l.mu.Lock()
+	shards := make([]int, 0, len(l.owned))
+	epochs := make([]int64, 0, len(l.owned))
+	for shard, epoch := range l.owned {
+		shards = append(shards, shard)
+		epochs = append(epochs, epoch)
+	}
+	l.ticks++
+	cleanup := l.ticks%100 == 1
+	l.mu.Unlock()
+
+	secs := l.cfg.LeaseDuration.Seconds()
+	sent := time.Now()
+	b := &pgx.Batch{}
+	b.Queue(l.q.heartbeat, l.cfg.InstanceID, l.host, l.pid, secs)
+	b.Queue(l.q.renew, l.cfg.InstanceID, secs, shards, epochs)
+	b.Queue(l.q.members)
+	if cleanup {
+		b.Queue(l.q.forgetMembers)
+	}
+	renewed := map[int]int64{}
+	var members []string
+	err := func() error {
+		br := l.pool.SendBatch(ctx, b)
+		defer br.Close()
+		if _, err := br.Exec(); err != nil {
+			return fmt.Errorf("heartbeat: %w", err)
+		}
+		rows, err := br.Query()
+		if err != nil {
+			return fmt.Errorf("renew leases: %w", err)
+		}
+		var shard int
+		var epoch int64
+		if _, err := pgx.ForEachRow(rows, []any{&shard, &epoch}, func() error { renewed[shard] = epoch; return nil }); err != nil {
+			return fmt.Errorf("renew leases: %w", err)
+		}
+		rows, err = br.Query()
+		if err != nil {
+			return fmt.Errorf("read members: %w", err)
+		}
+		members, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return fmt.Errorf("read members: %w", err)
+		}
+		if cleanup {
+			if _, err := br.Exec(); err != nil {
+				return fmt.Errorf("forget dead members: %w", err)
+			}
+		}
+		return br.Close()
+	}()
+	if err != nil {
+		return err
+	}
+
+	target := fairShare(members, l.cfg.InstanceID, l.cfg.Shards)
+	l.mu.Lock()
+	var lost []int
+	for _, shard := range shards {
+		if e, ok := renewed[shard]; !ok || e != l.owned[shard] {
+			if _, still := l.owned[shard]; still {
+				lost = append(lost, shard)
+				delete(l.owned, shard)
+				delete(l.release, shard)
+			}
+		}
+	}
+	if len(lost) > 0 && l.inflight != nil {
+		l.inflight() // stop publishing the lost shards now
+	}
+	l.extendLocked(sent)
+	excess := len(l.owned) - len(l.release) - target
+	if excess > 0 {
+		// Give back the highest shards not already on their way out.
+		var keep []int
+		for shard := range l.owned {
+			if !l.release[shard] {
+				keep = append(keep, shard)
+			}
+		}
+		sort.Sort(sort.Reverse(sort.IntSlice(keep)))
+		for _, shard := range keep[:excess] {
+			l.release[shard] = true
+		}
+	}
+	need := target - len(l.owned)
+	mine := []int{} // not nil: NULL would make "shard <> ALL(NULL)" false for every shard
+	for shard := range l.owned {
+		mine = append(mine, shard)
+	}
+	l.lastOK = time.Now()
+	l.mu.Unlock()
+	if len(lost) > 0 {
+		l.log.Warn("relay lost shard leases to another relay; stopped publishing them", "shards", lost)
+	}
+
+	if need > 0 {
+		rows, err := l.pool.Query(ctx, l.q.acquire, l.cfg.InstanceID, secs, need, mine)
+		if err != nil {
+			return fmt.Errorf("acquire shards: %w", err)
+		}
+		got := map[int]int64{}
+		var shard int
+		var epoch int64
+		if _, err := pgx.ForEachRow(rows, []any{&shard, &epoch}, func() error { got[shard] = epoch; return nil }); err != nil {
+			return fmt.Errorf("acquire shards: %w", err)
+		}
+		if len(got) > 0 {
+			l.mu.Lock()
+			for shard, epoch := range got {
+				l.owned[shard] = epoch
+			}
+			// The new leases were written after `sent`, so the fence computed from it is
+			// conservative for them too.
+			n := len(l.owned)
+			l.mu.Unlock()
+			l.log.Info("relay acquired shards", "acquired", len(got), "owned", n, "target", target, "members", len(members))
+			select {
+			case l.changed <- struct{}{}:
+			default:
+			}
+		}
+	}
+	l.mu.Lock()
+	l.m.OwnedShards(len(l.owned))
+	l.mu.Unlock()
+	return nil
+}
+
+// extendLocked moves the fence after a successful renewal sent at `sent`, and arms the timer
+// that drops every shard if no further renewal succeeds in time.
+func (l *leases) extendLocked(sent time.Time) {
+	l.validUntil = sent.Add(l.cfg.LeaseDuration - l.cfg.fenceMargin())
+	wait := time.Until(l.validUntil)
+	if l.fence == nil {
+		l.fence = time.AfterFunc(wait, l.fenceLapsed)
+	} else {
+		l.fence.Reset(wait)
+	}
+}
+
+func (l *leases) fenceLapsed() {
+	l.mu.Lock()
+	if time.Now().Before(l.validUntil) || len(l.owned) == 0 {
+		l.mu.Unlock()
+		return
+	}
+	n := len(l.owned)
+	clear(l.owned)
+	clear(l.release)
+	if l.inflight != nil {
+		l.inflight()
+	}
+	l.m.OwnedShards(0)
+	l.mu.Unlock()
+	l.log.Warn("relay could not renew its shard leases in time; stopped publishing every shard until it re-acquires them", "shards", n)
+}
+
+// stop disarms the fence timer.
+func (l *leases) stop() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.fence != nil {
+		l.fence.Stop()
+	}
+}
+
+// releaseAll gives every lease back and removes the membership row, so the other relays take
+// over at their next renewal instead of waiting for expiry.
+func (l *leases) releaseAll(ctx context.Context) error {
+	l.mu.Lock()
+	var shards []int
+	var epochs []int64
+	for shard, epoch := range l.owned {
+		shards = append(shards, shard)
+		epochs = append(epochs, epoch)
+	}
+	clear(l.owned)
+	clear(l.release)
+	l.m.OwnedShards(0)
+	l.mu.Unlock()
+	return errors.Join(l.giveBack(ctx, shards, epochs), l.leave(ctx))
+}
+
+func (l *leases) leave(ctx context.Context) error {
+	if _, err := l.pool.Exec(ctx, l.q.leave, l.cfg.InstanceID); err != nil {
+		return fmt.Errorf("remove relay member row: %w", err)
+	}
+	return nil
+}
+
+func (l *leases) healthy() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.lastOK.IsZero() {
+		return errors.New("relay: no lease renewal has succeeded yet")
+	}
+	if age := time.Since(l.lastOK); age > l.cfg.LeaseDuration {
+		return fmt.Errorf("relay: last successful lease renewal %s ago (database unreachable?)", age.Round(time.Millisecond))
+	}
+	return nil
+}
+
+// fairShare is how many of the shards the member `me` should hold: an equal split among the
+// live members sorted by id, the first ones taking one extra when it does not divide evenly.
+func fairShare(members []string, me string, shards int) int {
+	idx := slices.Index(members, me)
+	n := len(members)
+	if idx < 0 {
+		idx, n = n, n+1 // not visible yet: count ourselves last
+	}
+	share := shards / n
+	if idx < shards%n {
+		share++
+	}
+	return share
+}

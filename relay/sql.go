@@ -1,0 +1,101 @@
+package relay
+
+import (
+	"strconv"
+	"strings"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+)
+
+// queries holds the relay's SQL for one schema, built once.
+type queries struct {
+	outbox, lease, member, parked string
+
+	heartbeat, renew, members, forgetMembers, acquire, release, leave string
+	deleteAcked, countFailure, park                                    string
+	stats                                                              string
+}
+
+func newQueries(schema string) *queries {
+	q := &queries{
+		outbox: pgsql.Table(schema, "outbox"),
+		lease:  pgsql.Table(schema, "relay_lease"),
+		member: pgsql.Table(schema, "relay_member"),
+		parked: pgsql.Table(schema, "outbox_parked"),
+	}
+	q.heartbeat = `INSERT INTO ` + q.member + ` AS m (id, host, pid, expires_at)
+		VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8))
+		ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at, host = EXCLUDED.host, pid = EXCLUDED.pid`
+	// Renew only what is still ours: same owner and same epoch. A lease that expired but was
+	// not taken is still ours (nobody published in between).
+	q.renew = `UPDATE ` + q.lease + ` AS l SET expires_at = now() + make_interval(secs => $2::float8)
+		FROM unnest($3::int[], $4::bigint[]) AS o(shard, epoch)
+		WHERE l.shard = o.shard AND l.epoch = o.epoch AND l.owner = $1
+		RETURNING l.shard, l.epoch`
+	q.members = `SELECT id FROM ` + q.member + ` WHERE expires_at > now() ORDER BY id`
+	q.forgetMembers = `DELETE FROM ` + q.member + ` WHERE expires_at < now() - interval '1 hour'`
+	// Free, expired, or recorded as ours but not held by this process (a restart with the same
+	// instance id): the epoch moves on, fencing off whatever held it before.
+	q.acquire = `UPDATE ` + q.lease + ` AS l
+		SET owner = $1, epoch = l.epoch + 1, expires_at = now() + make_interval(secs => $2::float8), acquired_at = now()
+		WHERE l.shard IN (
+			SELECT shard FROM ` + q.lease + `
+			WHERE (owner = '' OR expires_at < now() OR owner = $1) AND shard <> ALL($4::int[])
+			ORDER BY (owner = $1) DESC, shard
+			LIMIT $3
+			FOR UPDATE SKIP LOCKED)
+		RETURNING l.shard, l.epoch`
+	q.release = `UPDATE ` + q.lease + ` AS l SET owner = '', expires_at = '-infinity'
+		FROM unnest($2::int[], $3::bigint[]) AS o(shard, epoch)
+		WHERE l.shard = o.shard AND l.epoch = o.epoch AND l.owner = $1`
+	q.leave = `DELETE FROM ` + q.member + ` WHERE id = $1`
+
+	// Acknowledged rows go unconditionally: the broker has them, so deleting them even after
+	// the lease was lost can only prevent a duplicate, never lose or reorder anything.
+	q.deleteAcked = `DELETE FROM ` + q.outbox + ` WHERE id = ANY($1::bigint[])`
+	// Attempts and parking change what gets published, so they require the lease (owner and
+	// epoch of the row's shard) to still be ours. $4 is the epoch array indexed by shard.
+	leaseHeld := `l.shard = o.key_hash % $2 AND l.owner = $3 AND l.epoch = ($4::bigint[])[l.shard + 1]`
+	q.countFailure = `UPDATE ` + q.outbox + ` AS o SET attempts = o.attempts + 1, last_error = f.err
+		FROM unnest($1::bigint[], $5::text[]) AS f(id, err), ` + q.lease + ` AS l
+		WHERE o.id = f.id AND ` + leaseHeld + `
+		RETURNING o.id`
+	q.park = `WITH moved AS (
+			DELETE FROM ` + q.outbox + ` AS o USING unnest($1::bigint[], $5::text[]) AS f(id, err), ` + q.lease + ` AS l
+			WHERE o.id = f.id AND ` + leaseHeld + `
+			RETURNING o.id, o.event_id, o.topic, o.partition_key, o.key_hash, o.payload, o.metadata, o.created_at, o.attempts + 1 AS attempts, f.err)
+		INSERT INTO ` + q.parked + ` (id, event_id, topic, partition_key, key_hash, payload, metadata, created_at, attempts, last_error, parked_by)
+		SELECT id, event_id, topic, partition_key, key_hash, payload, metadata, created_at, attempts, err, $3 FROM moved
+		RETURNING id`
+	q.stats = `SELECT (SELECT count(*) FROM ` + q.outbox + `),
+		coalesce(extract(epoch FROM now() - (SELECT created_at FROM ` + q.outbox + ` ORDER BY id LIMIT 1)), 0)::float8`
+	return q
+}
+
+// claimSQL builds the claim for a batch: committed rows of the given shards, minus blocked
+// keys and rows, oldest id first. It reads only committed rows and takes no locks, so an open
+// transaction elsewhere never delays it; the shard lease already makes this relay the only
+// publisher of these rows.
+func (q *queries) claimSQL(s snapshot, shards int, keys []string, ids []int64, limit int) (string, []any) {
+	var b strings.Builder
+	b.WriteString(`SELECT id, event_id::text, topic, partition_key, key_hash, payload, metadata, created_at, attempts FROM `)
+	b.WriteString(q.outbox)
+	args := []any{}
+	where := []string{}
+	arg := func(v any) string { args = append(args, v); return "$" + strconv.Itoa(len(args)) }
+	if !s.all {
+		where = append(where, `key_hash % `+arg(shards)+` = ANY(`+arg(s.shards)+`::int[])`)
+	}
+	if len(keys) > 0 {
+		where = append(where, `partition_key <> ALL(`+arg(keys)+`::text[])`)
+	}
+	if len(ids) > 0 {
+		where = append(where, `id <> ALL(`+arg(ids)+`::bigint[])`)
+	}
+	if len(where) > 0 {
+		b.WriteString(" WHERE ")
+		b.WriteString(strings.Join(where, " AND "))
+	}
+	b.WriteString(" ORDER BY id LIMIT " + arg(limit))
+	return b.String(), args
+}
