@@ -32,8 +32,8 @@ const (
 // NopMetrics discards every measurement.
 type NopMetrics struct{}
 
-func (NopMetrics) Published(int, time.Duration)  {}
-func (NopMetrics) Failed(string, int)            {}
-func (NopMetrics) Parked(int)                    {}
-func (NopMetrics) OwnedShards(int)               {}
+func (NopMetrics) Published(int, time.Duration) {}
+func (NopMetrics) Failed(string, int)           {}
+func (NopMetrics) Parked(int)                   {}
+func (NopMetrics) OwnedShards(int)              {}
 func (NopMetrics) Pending(int64, time.Duration) {}

@@ -12,8 +12,8 @@ type queries struct {
 	outbox, lease, member, parked string
 
 	heartbeat, renew, members, forgetMembers, acquire, release, leave string
-	deleteAcked, countFailure, park                                    string
-	stats                                                              string
+	deleteAcked, countFailure, park                                   string
+	stats                                                             string
 }
 
 func newQueries(schema string) *queries {
