@@ -1,11 +1,11 @@
 package relay
 
 import (
-	"errors"
 	"fmt"
 	"log/slog"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
@@ -98,6 +98,12 @@ type Config struct {
 	Metrics Metrics
 }
 
+// Validate reports every invalid field at once, as New would, without needing a pool or sink.
+func (c Config) Validate() error {
+	_, err := c.withDefaults()
+	return err
+}
+
 // renewInterval is how often leases are renewed and membership refreshed.
 func (c Config) renewInterval() time.Duration { return c.LeaseDuration / 4 }
 
@@ -186,11 +192,28 @@ func (c Config) withDefaults() (Config, error) {
 	if len(c.InstanceID) > maxInstanceID {
 		add("InstanceID is %d bytes long; use at most %d", len(c.InstanceID), maxInstanceID)
 	}
-	if err := errors.Join(problems...); err != nil {
-		return c, fmt.Errorf("relay: invalid config: %w", err)
+	if len(problems) > 0 {
+		return c, &ConfigError{What: "config", Problems: problems}
 	}
 	return c, nil
 }
+
+// ConfigError lists every problem of a configuration, so all of them can be fixed at once.
+type ConfigError struct {
+	What     string // "config" or "Kafka config"
+	Problems []error
+}
+
+func (e *ConfigError) Error() string {
+	parts := make([]string, len(e.Problems))
+	for i, p := range e.Problems {
+		parts[i] = p.Error()
+	}
+	return "relay: invalid " + e.What + ": " + strings.Join(parts, "; ")
+}
+
+// Unwrap returns the individual problems.
+func (e *ConfigError) Unwrap() []error { return e.Problems }
 
 func defaultInstanceID() string {
 	host, err := os.Hostname()

@@ -89,8 +89,8 @@ func NewKafkaSink(cfg KafkaConfig) (*KafkaSink, error) {
 	if cfg.DeliveryTimeout < 0 {
 		problems = append(problems, fmt.Errorf("DeliveryTimeout is %s; use a positive duration (0 means the default %s)", cfg.DeliveryTimeout, DefaultDeliveryTimeout))
 	}
-	if err := errors.Join(problems...); err != nil {
-		return nil, fmt.Errorf("relay: invalid Kafka config: %w", err)
+	if len(problems) > 0 {
+		return nil, &ConfigError{What: "Kafka config", Problems: problems}
 	}
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(cfg.Brokers...),

@@ -24,6 +24,8 @@ type command struct {
 // commands is the whole CLI surface, in the order `onceflow -h` prints it.
 var commands = []command{
 	{"migrate", "apply, list or print the schema migrations (up|status|print)", runMigrate},
+	{"relay", "publish the outbox to Kafka (run one or more)", runRelay},
+	{"outbox", "inspect pending rows, list parked rows, replay them (inspect|parked|replay)", runOutbox},
 }
 
 func main() {

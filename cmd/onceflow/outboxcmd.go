@@ -1,0 +1,288 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/relay"
+)
+
+const outboxSynopsis = `outbox inspect|parked|replay [flags]
+
+  inspect  pending rows, failing rows, parked count, shard leases and running relays
+  parked   rows the broker kept refusing, with the error that got them parked
+  replay   move parked rows back into the outbox (same event id, fresh attempt count);
+           select them with --id, --event-id, --topic, --key or --all`
+
+// stdout is where the outbox command prints; tests replace it.
+var stdout io.Writer = os.Stdout
+
+func runOutbox(ctx context.Context, args []string) error {
+	if len(args) == 0 {
+		usageOf(newFlagSet("outbox", outboxSynopsis))
+		return errUsage
+	}
+	switch args[0] {
+	case "inspect":
+		return outboxInspect(ctx, args[1:])
+	case "parked":
+		return outboxParked(ctx, args[1:])
+	case "replay":
+		return outboxReplay(ctx, args[1:])
+	case "-h", "--help", "help":
+		usageOf(newFlagSet("outbox", outboxSynopsis))
+		return nil
+	default:
+		fmt.Fprintf(os.Stderr, "onceflow outbox: unknown action %q\n\n", args[0])
+		usageOf(newFlagSet("outbox", outboxSynopsis))
+		return errUsage
+	}
+}
+
+func usageOf(fs *flag.FlagSet) { fs.Usage() }
+
+// filterFlags are the row selectors shared by parked and replay.
+type filterFlags struct {
+	ids, eventIDs, topic, key string
+}
+
+func addFilterFlags(fs *flag.FlagSet) *filterFlags {
+	f := &filterFlags{}
+	fs.StringVar(&f.ids, "id", "", "comma-separated row ids (as shown by `outbox parked`)")
+	fs.StringVar(&f.eventIDs, "event-id", "", "comma-separated event ids (UUIDs)")
+	fs.StringVar(&f.topic, "topic", "", "only rows of this topic")
+	fs.StringVar(&f.key, "key", "", "only rows with this partition key")
+	return f
+}
+
+func (f *filterFlags) filter() (relay.ParkedFilter, error) {
+	pf := relay.ParkedFilter{Topic: f.topic, Key: f.key}
+	var bad []string
+	for _, s := range splitList(f.ids) {
+		id, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			bad = append(bad, strconv.Quote(s))
+			continue
+		}
+		pf.IDs = append(pf.IDs, id)
+	}
+	if len(bad) > 0 {
+		return pf, fmt.Errorf("--id: not row ids: %s", strings.Join(bad, ", "))
+	}
+	for _, s := range splitList(f.eventIDs) {
+		if _, err := uuid.Parse(s); err != nil {
+			bad = append(bad, strconv.Quote(s))
+		}
+		pf.EventIDs = append(pf.EventIDs, s)
+	}
+	if len(bad) > 0 {
+		return pf, fmt.Errorf("--event-id: not event ids (UUIDs): %s", strings.Join(bad, ", "))
+	}
+	return pf, nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, part := range strings.Split(s, ",") {
+		if part = strings.TrimSpace(part); part != "" {
+			out = append(out, part)
+		}
+	}
+	return out
+}
+
+func outboxInspect(ctx context.Context, args []string) error {
+	fs := newFlagSet("outbox inspect", "outbox inspect [flags]\n\nShows what waits in the outbox and which relays hold the shards.")
+	db := addDBFlags(fs)
+	limit := fs.Int("limit", 20, "pending rows to list (oldest first); 0 lists none")
+	topic := fs.String("topic", "", "list only rows of this topic")
+	failing := fs.Bool("failing", false, "list only rows the broker refused at least once")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	admin, err := relay.NewAdmin(db.schema)
+	if err != nil {
+		return err
+	}
+	pool, err := db.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	s, err := admin.Summary(ctx, pool)
+	if err != nil {
+		return err
+	}
+	w := stdout
+	fmt.Fprintf(w, "schema %q at %s\n", db.schema, s.CheckedAt.UTC().Format(time.RFC3339))
+	age := "-"
+	if !s.Oldest.IsZero() {
+		age = s.CheckedAt.Sub(s.Oldest).Round(time.Millisecond).String()
+	}
+	fmt.Fprintf(w, "pending: %d rows (oldest %s old), %d refused at least once; parked: %d\n", s.Pending, age, s.Failing, s.Parked)
+	if len(s.PerTopic) > 0 {
+		tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "\nTOPIC\tPENDING")
+		for _, t := range s.PerTopic {
+			fmt.Fprintf(tw, "%s\t%d\n", t.Topic, t.Pending)
+		}
+		tw.Flush()
+	}
+	fmt.Fprintf(w, "\nshards: %d\n", s.Shards)
+	if len(s.Leases) > 0 {
+		tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "OWNER\tSHARDS\tLIVE\tEARLIEST EXPIRY")
+		for _, l := range s.Leases {
+			owner := l.Owner
+			if owner == "" {
+				owner = "(free)"
+			}
+			fmt.Fprintf(tw, "%s\t%d\t%t\t%s\n", owner, l.Shards, l.Live, fmtTime(l.ExpiresAt))
+		}
+		tw.Flush()
+	}
+	if len(s.Members) > 0 {
+		tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "\nRELAY\tHOST\tPID\tLIVE\tSTARTED\tLAST HEARTBEAT")
+		for _, m := range s.Members {
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%t\t%s\t%s\n", m.ID, m.Host, m.PID, m.Live, fmtTime(m.StartedAt), fmtTime(m.HeartbeatAt))
+		}
+		tw.Flush()
+	}
+	if *limit <= 0 {
+		return nil
+	}
+	rows, err := admin.Pending(ctx, pool, relay.PendingFilter{Topic: *topic, Failing: *failing, Limit: *limit})
+	if err != nil {
+		return err
+	}
+	if len(rows) == 0 {
+		return nil
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "\nID\tEVENT ID\tTOPIC\tKEY\tBYTES\tCREATED\tATTEMPTS\tLAST ERROR")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, fmtTime(r.CreatedAt), r.Attempts, oneLine(r.LastError))
+	}
+	return tw.Flush()
+}
+
+func outboxParked(ctx context.Context, args []string) error {
+	fs := newFlagSet("outbox parked", "outbox parked [flags]\n\nLists parked rows, oldest first, with the error that got them parked.")
+	db := addDBFlags(fs)
+	ff := addFilterFlags(fs)
+	limit := fs.Int("limit", 100, "rows to list")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	f, err := ff.filter()
+	if err != nil {
+		return err
+	}
+	f.Limit = *limit
+	admin, err := relay.NewAdmin(db.schema)
+	if err != nil {
+		return err
+	}
+	pool, err := db.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	rows, err := admin.Parked(ctx, pool, f)
+	if err != nil {
+		return err
+	}
+	if len(rows) == 0 {
+		fmt.Fprintln(stdout, "no parked rows")
+		return nil
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tEVENT ID\tTOPIC\tKEY\tBYTES\tATTEMPTS\tPARKED\tBY\tERROR")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, r.Attempts, fmtTime(r.ParkedAt), r.ParkedBy, oneLine(r.LastError))
+	}
+	return tw.Flush()
+}
+
+func outboxReplay(ctx context.Context, args []string) error {
+	fs := newFlagSet("outbox replay", "outbox replay (--id ...|--event-id ...|--topic ...|--key ...|--all) [flags]\n\n"+
+		"Moves parked rows back into the outbox with their event id, payload and metadata; relays\n"+
+		"publish them after the rows already waiting (a key whose row was parked is out of order\n"+
+		"anyway). Filters combine with AND.")
+	db := addDBFlags(fs)
+	ff := addFilterFlags(fs)
+	all := fs.Bool("all", false, "replay every parked row (needed when no other filter is given)")
+	dryRun := fs.Bool("dry-run", false, "list what would be replayed and change nothing")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	f, err := ff.filter()
+	if err != nil {
+		return err
+	}
+	f.All = *all
+	admin, err := relay.NewAdmin(db.schema)
+	if err != nil {
+		return err
+	}
+	if !f.All && len(f.IDs) == 0 && len(f.EventIDs) == 0 && f.Topic == "" && f.Key == "" {
+		return fmt.Errorf("nothing selected: pass --id, --event-id, --topic or --key, or --all to replay every parked row")
+	}
+	pool, err := db.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if *dryRun {
+		f.Limit = 1 << 30
+		rows, err := admin.Parked(ctx, pool, f)
+		if err != nil {
+			return err
+		}
+		for _, r := range rows {
+			fmt.Fprintf(stdout, "would replay id %d event %s topic %s key %q\n", r.ID, r.EventID, r.Topic, r.Key)
+		}
+		fmt.Fprintf(stdout, "%d parked rows would be replayed (dry run: nothing changed)\n", len(rows))
+		return nil
+	}
+	var done []relay.Replayed
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var err error
+		done, err = admin.ReplayTx(ctx, tx, f)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	for _, r := range done {
+		fmt.Fprintf(stdout, "replayed event %s as outbox row %d\n", r.EventID, r.ID)
+	}
+	fmt.Fprintf(stdout, "%d parked rows moved back into the outbox\n", len(done))
+	return nil
+}
+
+func fmtTime(t time.Time) string {
+	if t.IsZero() || t.Year() < 1 || t.Year() > 9999 {
+		return "-"
+	}
+	return t.UTC().Format("2006-01-02 15:04:05.000Z")
+}
+
+func oneLine(s string) string {
+	s = strings.ReplaceAll(s, "\n", " ")
+	if len(s) > 160 {
+		s = s[:160] + "…"
+	}
+	return s
+}

@@ -1,0 +1,252 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relayprom"
+)
+
+const relaySynopsis = `relay [flags]
+
+Publishes the outbox to Kafka: claims committed rows in id order, sends each batch through an
+idempotent producer, deletes exactly the rows Kafka acknowledged. Run several for availability:
+they share the work through shard leases in Postgres and take over a dead relay's shards within
+--lease-duration × 1.25. SIGTERM or SIGINT finishes the batch in flight (up to
+--shutdown-timeout), releases the leases and exits 0. The schema must be migrated first
+(onceflow migrate up). See docs/relay.md.`
+
+// envParser reads typed defaults from the environment and remembers every bad value, so the
+// command reports them all at once.
+type envParser struct{ problems []string }
+
+func (p *envParser) int(name string, def int) int {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil {
+		p.problems = append(p.problems, fmt.Sprintf("%s=%q is not a whole number", name, v))
+		return def
+	}
+	return n
+}
+
+func (p *envParser) duration(name string, def time.Duration) time.Duration {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		p.problems = append(p.problems, fmt.Sprintf("%s=%q is not a duration (e.g. 500ms, 2s, 1m)", name, v))
+		return def
+	}
+	return d
+}
+
+func (p *envParser) bool(name string, def bool) bool {
+	v := os.Getenv(name)
+	if v == "" {
+		return def
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		p.problems = append(p.problems, fmt.Sprintf("%s=%q is not true or false", name, v))
+		return def
+	}
+	return b
+}
+
+func runRelay(ctx context.Context, args []string) error {
+	fs := newFlagSet("relay", relaySynopsis)
+	db := addDBFlags(fs)
+	var env envParser
+	var (
+		brokers         = fs.String("kafka-brokers", os.Getenv("KAFKA_BROKERS"), "comma-separated Kafka brokers, host:port [KAFKA_BROKERS]")
+		batchSize       = fs.Int("batch-size", env.int("ONCEFLOW_RELAY_BATCH_SIZE", relay.DefaultBatchSize), "most rows claimed and sent to Kafka per round trip [ONCEFLOW_RELAY_BATCH_SIZE]")
+		pollInterval    = fs.Duration("poll-interval", env.duration("ONCEFLOW_RELAY_POLL_INTERVAL", relay.DefaultPollInterval), "how often an idle relay looks for rows when no NOTIFY arrived [ONCEFLOW_RELAY_POLL_INTERVAL]")
+		shards          = fs.Int("shards", env.int("ONCEFLOW_RELAY_SHARDS", relay.DefaultShards), "virtual shards (must be the same for every relay of the schema; see --reshard) [ONCEFLOW_RELAY_SHARDS]")
+		leaseDuration   = fs.Duration("lease-duration", env.duration("ONCEFLOW_RELAY_LEASE_DURATION", relay.DefaultLeaseDuration), "shard lease length; a dead relay's shards move within 1.25× this [ONCEFLOW_RELAY_LEASE_DURATION]")
+		maxAttempts     = fs.Int("max-attempts", env.int("ONCEFLOW_RELAY_MAX_ATTEMPTS", relay.DefaultMaxAttempts), "permanent refusals (e.g. message too large) before a row is parked; transient errors never count [ONCEFLOW_RELAY_MAX_ATTEMPTS]")
+		maxMessageBytes = fs.Int("max-message-bytes", env.int("ONCEFLOW_RELAY_MAX_MESSAGE_BYTES", relay.DefaultMaxMessageBytes), "largest record sent; larger rows are refused before sending (keep ≤ the topic's max.message.bytes) [ONCEFLOW_RELAY_MAX_MESSAGE_BYTES]")
+		instanceID      = fs.String("id", os.Getenv("ONCEFLOW_RELAY_ID"), "unique name of this relay in the lease table; a restart with the same id takes its leases back at once (default <hostname>-<pid>) [ONCEFLOW_RELAY_ID]")
+		shutdownTimeout = fs.Duration("shutdown-timeout", env.duration("ONCEFLOW_RELAY_SHUTDOWN_TIMEOUT", relay.DefaultShutdownTimeout), "on SIGTERM, how long the batch in flight may take before it is abandoned (its rows stay) [ONCEFLOW_RELAY_SHUTDOWN_TIMEOUT]")
+		metricsAddr     = fs.String("metrics-addr", os.Getenv("ONCEFLOW_METRICS_ADDR"), "serve Prometheus /metrics and /healthz on this address, e.g. :9464 (default: off) [ONCEFLOW_METRICS_ADDR]")
+		logLevel        = fs.String("log-level", envOr("ONCEFLOW_LOG_LEVEL", "info"), "debug, info, warn or error [ONCEFLOW_LOG_LEVEL]")
+		logFormat       = fs.String("log-format", envOr("ONCEFLOW_LOG_FORMAT", "text"), "text or json [ONCEFLOW_LOG_FORMAT]")
+		reshard         = fs.Bool("reshard", env.bool("ONCEFLOW_RELAY_RESHARD", false), "before starting, change the lease table to --shards (refused while any relay of the schema runs) [ONCEFLOW_RELAY_RESHARD]")
+	)
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(fs.Output(), "onceflow relay: unexpected arguments %q\n", fs.Args())
+		return errUsage
+	}
+
+	problems := env.problems
+	if err := db.validate(); err != nil {
+		problems = append(problems, err.Error())
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
+		problems = append(problems, fmt.Sprintf("--log-level %q: use debug, info, warn or error", *logLevel))
+	}
+	if *logFormat != "text" && *logFormat != "json" {
+		problems = append(problems, fmt.Sprintf("--log-format %q: use text or json", *logFormat))
+	}
+	var brokerList []string
+	for _, b := range strings.Split(*brokers, ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			brokerList = append(brokerList, b)
+		}
+	}
+	hopts := &slog.HandlerOptions{Level: level}
+	var logger *slog.Logger
+	if *logFormat == "json" {
+		logger = slog.New(slog.NewJSONHandler(os.Stderr, hopts))
+	} else {
+		logger = slog.New(slog.NewTextHandler(os.Stderr, hopts))
+	}
+	var metrics *relayprom.Metrics
+	reg := prometheus.NewRegistry()
+	if *metricsAddr != "" {
+		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		metrics = relayprom.New(reg)
+	}
+	cfg := relay.Config{
+		Schema:          db.schema,
+		BatchSize:       *batchSize,
+		PollInterval:    *pollInterval,
+		Shards:          *shards,
+		LeaseDuration:   *leaseDuration,
+		MaxAttempts:     *maxAttempts,
+		ShutdownTimeout: *shutdownTimeout,
+		InstanceID:      *instanceID,
+		Logger:          logger,
+	}
+	if metrics != nil {
+		cfg.Metrics = metrics
+	}
+	kcfg := relay.KafkaConfig{Brokers: brokerList, MaxMessageBytes: *maxMessageBytes}
+	// Validate both configurations now, without connecting, so every mistake is reported at once.
+	problems = appendProblems(problems, cfg.Validate())
+	sink, err := relay.NewKafkaSink(kcfg)
+	problems = appendProblems(problems, err)
+	if len(problems) > 0 {
+		if sink != nil {
+			sink.Close()
+		}
+		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
+	}
+	defer sink.Close()
+
+	pool, err := connectRelayPool(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if *reshard {
+		if err := relay.Reshard(ctx, pool, relay.ReshardOptions{Schema: db.schema, Shards: *shards}); err != nil {
+			return err
+		}
+		logger.Info("lease table resharded", "schema", db.schema, "shards", *shards)
+	}
+	r, err := relay.New(pool, sink, cfg)
+	if err != nil {
+		return err
+	}
+	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	if err := sink.Ping(pctx); err != nil {
+		logger.Warn("Kafka does not answer yet; rows stay in the outbox until it does (check --kafka-brokers)", "brokers", brokerList, "err", err)
+	}
+	cancel()
+
+	if *metricsAddr != "" {
+		srv, err := serveMetrics(*metricsAddr, reg, r, logger)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = srv.Shutdown(sctx)
+		}()
+	}
+	return r.Run(ctx)
+}
+
+// appendProblems adds err to the list, one entry per problem of a relay.ConfigError.
+func appendProblems(problems []string, err error) []string {
+	var ce *relay.ConfigError
+	if errors.As(err, &ce) {
+		for _, p := range ce.Problems {
+			problems = append(problems, p.Error())
+		}
+		return problems
+	}
+	if err != nil {
+		problems = append(problems, err.Error())
+	}
+	return problems
+}
+
+func connectRelayPool(ctx context.Context, db *dbFlags) (*pgxpool.Pool, error) {
+	pcfg, err := pgxpool.ParseConfig(db.url)
+	if err != nil {
+		return nil, fmt.Errorf("parse database URL: %w", err)
+	}
+	if pcfg.ConnConfig.RuntimeParams["application_name"] == "" {
+		pcfg.ConnConfig.RuntimeParams["application_name"] = "onceflow-relay"
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to database: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to database: %w", err)
+	}
+	return pool, nil
+}
+
+// serveMetrics serves /metrics and /healthz; it fails at once if the address is taken.
+func serveMetrics(addr string, reg *prometheus.Registry, r *relay.Relay, logger *slog.Logger) (*http.Server, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("--metrics-addr %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if err := r.Health(); err != nil {
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			logger.Error("metrics server stopped", "err", err)
+		}
+	}()
+	logger.Info("serving metrics", "addr", ln.Addr().String(), "paths", "/metrics /healthz")
+	return srv, nil
+}
