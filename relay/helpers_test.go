@@ -257,7 +257,19 @@ func startRelay(t testing.TB, r *relay.Relay) (stop func()) {
 // newKafkaRelay builds a relay with a Kafka sink on brokers.
 func newKafkaRelay(t testing.TB, db *testdb.DB, brokers []string, cfg relay.Config) *relay.Relay {
 	t.Helper()
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers})
+	return newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers}, cfg)
+}
+
+// fastRetries are client options for fault tests: retry and refresh metadata quickly, so a
+// test with many injected faults does not spend its time in the client's default backoffs.
+var fastRetries = []kgo.Opt{
+	kgo.RetryBackoffFn(func(int) time.Duration { return 10 * time.Millisecond }),
+	kgo.MetadataMinAge(20 * time.Millisecond),
+}
+
+func newKafkaRelayWith(t testing.TB, db *testdb.DB, kcfg relay.KafkaConfig, cfg relay.Config) *relay.Relay {
+	t.Helper()
+	sink, err := relay.NewKafkaSink(kcfg)
 	if err != nil {
 		t.Fatal(err)
 	}

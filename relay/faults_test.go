@@ -1,0 +1,125 @@
+package relay_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/relay"
+)
+
+// produceErrorResponse answers a produce request with code on every partition, before the
+// broker writes anything.
+func produceErrorResponse(req *kmsg.ProduceRequest, code int16) *kmsg.ProduceResponse {
+	resp := req.ResponseKind().(*kmsg.ProduceResponse)
+	resp.Version = req.Version
+	for _, rt := range req.Topics {
+		st := kmsg.NewProduceResponseTopic()
+		st.Topic, st.TopicID = rt.Topic, rt.TopicID
+		for _, rp := range rt.Partitions {
+			sp := kmsg.NewProduceResponseTopicPartition()
+			sp.Partition = rp.Partition
+			sp.ErrorCode = code
+			st.Partitions = append(st.Partitions, sp)
+		}
+		resp.Topics = append(resp.Topics, st)
+	}
+	return resp
+}
+
+// TestBrokerFaults: a fifth of the produce requests fail — retriable errors, non-retriable
+// errors that reject a whole record batch, dropped connections, and timeouts reported after
+// the broker already wrote the batch. Nothing may be lost, no key reordered, nothing parked.
+func TestBrokerFaults(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	k := kafkatest.Fake(t, 3)
+	brokers := k.Brokers()
+	topic := kafkatest.Topic("faults")
+
+	var mu sync.Mutex
+	seed := rand.Uint64()
+	t.Logf("fault seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 7))
+	var requests, injected atomic.Int64
+	kinds := map[string]int{}
+	k.Cluster.ControlKey(int16(kmsg.Produce), func(r kmsg.Request) (kmsg.Response, error, bool) {
+		k.Cluster.KeepControl()
+		requests.Add(1)
+		mu.Lock()
+		defer mu.Unlock()
+		if rng.Float64() >= 0.15 {
+			return nil, nil, false // handled normally (or by the timeout fault below)
+		}
+		injected.Add(1)
+		req := r.(*kmsg.ProduceRequest)
+		switch n := rng.IntN(4); n {
+		case 0:
+			kinds["NOT_LEADER_FOR_PARTITION"]++
+			return produceErrorResponse(req, kerr.NotLeaderForPartition.Code), nil, true
+		case 1:
+			kinds["REQUEST_TIMED_OUT (not written)"]++
+			return produceErrorResponse(req, kerr.RequestTimedOut.Code), nil, true
+		case 2:
+			kinds["INVALID_RECORD (non-retriable)"]++
+			return produceErrorResponse(req, kerr.InvalidRecord.Code), nil, true
+		default:
+			kinds["connection dropped"]++
+			return nil, errors.New("injected: drop the connection"), true
+		}
+	})
+	// The nastiest case for an idempotent producer: the broker writes the batch, then reports a
+	// timeout, so the client retries something that already landed.
+	var written atomic.Int64
+	k.Cluster.Fault(kfake.Fault{
+		Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.RequestTimedOut, Count: -1,
+		When: func(kmsg.Request) bool {
+			if rand.Float64() < 0.05 {
+				written.Add(1)
+				return true
+			}
+			return false
+		},
+	})
+
+	// Few keys per batch row count: each batch carries several rows of every key, so any
+	// reordering inside a batch or across retries would show.
+	want := writeEvents(t, db, topic, 5000, 8, 50)
+	c := newConsumer(t, brokers, topic)
+	r := newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers, Opts: fastRetries}, relay.Config{
+		// Small batches: many produce requests, so the fault mix is well exercised.
+		BatchSize: 25, MaxAttempts: 1000, // random non-retriable faults must never park a row
+		RetryBackoff: 5 * time.Millisecond, MaxRetryBackoff: 100 * time.Millisecond,
+	})
+	stop := startRelay(t, r)
+	got := c.waitDistinct(t, len(want), 2*time.Minute)
+	eventually(t, time.Minute, "empty outbox", func() bool { return outboxCount(t, db) == 0 })
+	stop()
+	dups := checkDelivery(t, want, got)
+
+	var parked int
+	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM outbox_parked").Scan(&parked); err != nil {
+		t.Fatal(err)
+	}
+	if parked != 0 {
+		t.Fatalf("%d rows parked by random broker faults", parked)
+	}
+	total := requests.Load()
+	faults := injected.Load() + written.Load()
+	mu.Lock()
+	t.Logf("%d produce requests, %d faulted (%v, %d written-then-timed-out); %d duplicates", total, faults, kinds, written.Load(), dups)
+	mu.Unlock()
+	if total == 0 || float64(faults) < 0.10*float64(total) {
+		t.Fatalf("only %d of %d produce requests faulted; the test needs at least 10%%", faults, total)
+	}
+}
