@@ -117,5 +117,3 @@ func tail(s string, lines int) string {
 	}
 	return strings.Join(ls, "\n")
 }
-
-
