@@ -197,7 +197,9 @@ func TestOversizedRowRefusedBeforeSending(t *testing.T) {
 		}
 		return nil, nil, false
 	})
-	big := writeOne(t, db, topic, "K", make([]byte, 5000))
+	bigPayload := make([]byte, 5000)
+	_, _ = rand.Read(bigPayload) // incompressible, so the request size would show it
+	big := writeOne(t, db, topic, "K", bigPayload)
 	after := writeOne(t, db, topic, "K", []byte("after"))
 	other := writeOne(t, db, topic, "L", []byte("other"))
 	c := newConsumer(t, brokers, topic)
