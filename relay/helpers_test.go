@@ -54,6 +54,13 @@ type written struct {
 // per transaction, and returns them in write order. Payload = "<key>/<seq>".
 func writeEvents(t testing.TB, db *testdb.DB, topic string, n, keys, perTx int) []written {
 	t.Helper()
+	return writeEventsPrefix(t, db, topic, n, keys, perTx, "key-")
+}
+
+// writeEventsPrefix is writeEvents with keys named prefix+number, so several calls in one test
+// write distinct keys (sequence numbers restart per call).
+func writeEventsPrefix(t testing.TB, db *testdb.DB, topic string, n, keys, perTx int, prefix string) []written {
+	t.Helper()
 	ctx := context.Background()
 	w, err := outbox.NewWriter(outbox.Config{Schema: db.Schema})
 	if err != nil {
@@ -66,7 +73,7 @@ func writeEvents(t testing.TB, db *testdb.DB, topic string, n, keys, perTx int) 
 		for i := start; i < start+perTx && i < n; i++ {
 			key := ""
 			if keys > 0 {
-				key = "key-" + strconv.Itoa(i%keys)
+				key = prefix + strconv.Itoa(i%keys)
 			}
 			s := seq[key]
 			seq[key]++

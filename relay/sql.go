@@ -45,7 +45,7 @@ func newQueries(schema string) *queries {
 			LIMIT $3
 			FOR UPDATE SKIP LOCKED)
 		RETURNING l.shard, l.epoch`
-	q.release = `UPDATE ` + q.lease + ` AS l SET owner = '', expires_at = '-infinity'
+	q.release = `UPDATE ` + q.lease + ` AS l SET owner = '', expires_at = 'epoch'
 		FROM unnest($2::int[], $3::bigint[]) AS o(shard, epoch)
 		WHERE l.shard = o.shard AND l.epoch = o.epoch AND l.owner = $1`
 	q.leave = `DELETE FROM ` + q.member + ` WHERE id = $1`

@@ -8,7 +8,7 @@ CREATE TABLE IF NOT EXISTS {{schema}}.relay_lease (
     shard       integer     PRIMARY KEY CHECK (shard >= 0),
     owner       text        NOT NULL DEFAULT '',          -- relay instance id; '' = free
     epoch       bigint      NOT NULL DEFAULT 0,           -- fencing token: +1 every time the shard is taken
-    expires_at  timestamptz NOT NULL DEFAULT '-infinity', -- compared with the database clock only
+    expires_at  timestamptz NOT NULL DEFAULT 'epoch',     -- compared with the database clock only; 'epoch' = free
     acquired_at timestamptz
 );
 
