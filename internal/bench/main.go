@@ -81,6 +81,9 @@ type scenario struct {
 // scenarios lists every benchmark in the order they run and print.
 var scenarios = []scenario{
 	{"outbox_write", benchOutboxWrite},
+	{"drain", benchDrain},
+	{"latency", benchLatency},
+	{"stall", benchStall},
 }
 
 func main() {
