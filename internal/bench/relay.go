@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"os"
 	"slices"
@@ -75,7 +76,7 @@ func (s *onceflowSystem) start(ctx context.Context) (func(), error) {
 	if err != nil {
 		return nil, err
 	}
-	r, err := relay.New(s.pool, sink, relay.Config{Schema: s.schema, Logger: s.e.log})
+	r, err := relay.New(s.pool, sink, relay.Config{Schema: s.schema, Logger: s.e.relayLog()})
 	if err != nil {
 		sink.Close()
 		return nil, err
@@ -499,3 +500,12 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 }
 
 
+
+// relayLog is the relay's logger: warnings only, or everything with BENCH_RELAY_DEBUG=1 (one
+// line per batch with the time spent claiming, publishing and finishing).
+func (e *env) relayLog() *slog.Logger {
+	if os.Getenv("BENCH_RELAY_DEBUG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return e.log
+}
