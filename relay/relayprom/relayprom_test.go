@@ -1,0 +1,72 @@
+package relayprom_test
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relayprom"
+)
+
+func TestMetricsExported(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	var m relay.Metrics = relayprom.New(reg)
+	m.Published(3, 2*time.Millisecond)
+	m.Published(2, 4*time.Millisecond)
+	m.Failed(relay.FailTransient, 4)
+	m.Parked(1)
+	m.OwnedShards(21)
+	m.Pending(1234, 90*time.Second)
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, f := range families {
+		for _, mt := range f.GetMetric() {
+			name := f.GetName()
+			for _, l := range mt.GetLabel() {
+				name += "{" + l.GetName() + "=" + l.GetValue() + "}"
+			}
+			switch {
+			case mt.Counter != nil:
+				got[name] = mt.Counter.GetValue()
+			case mt.Gauge != nil:
+				got[name] = mt.Gauge.GetValue()
+			case mt.Histogram != nil:
+				got[name+"_count"] = float64(mt.Histogram.GetSampleCount())
+			}
+		}
+	}
+	want := map[string]float64{
+		"onceflow_relay_published_total":              5,
+		"onceflow_relay_publish_seconds_count":        2,
+		"onceflow_relay_errors_total{kind=transient}": 4,
+		"onceflow_relay_errors_total{kind=permanent}": 0,
+		"onceflow_relay_errors_total{kind=database}":  0,
+		"onceflow_relay_parked_total":                 1,
+		"onceflow_relay_owned_shards":                 21,
+		"onceflow_relay_pending_rows":                 1234,
+		"onceflow_relay_oldest_pending_seconds":       90,
+	}
+	for k, v := range want {
+		if g, ok := got[k]; !ok || g != v {
+			t.Errorf("%s = %v (present %v), want %v", k, g, ok, v)
+		}
+	}
+	for k := range got {
+		if !strings.HasPrefix(k, "onceflow_relay_") {
+			t.Errorf("unexpected metric %s", k)
+		}
+	}
+	// Registering twice with the same registry is a programming error, reported loudly.
+	defer func() {
+		if recover() == nil {
+			t.Fatal("second New on the same registry did not panic")
+		}
+	}()
+	relayprom.New(reg)
+}
