@@ -2,7 +2,6 @@ package relay
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -344,11 +343,11 @@ func (r *Relay) claim(ctx context.Context, sql string, args []any) ([]*Message, 
 	for rows.Next() {
 		m := &Message{}
 		var meta []byte
-		if err := rows.Scan(&m.ID, &m.EventID, &m.Topic, &m.Key, &m.keyHash, &m.Payload, &meta, &m.CreatedAt, &m.Attempts); err != nil {
+		if err = rows.Scan(&m.ID, &m.EventID, &m.Topic, &m.Key, &m.keyHash, &m.Payload, &meta, &m.CreatedAt, &m.Attempts); err != nil {
 			return nil, err
 		}
 		m.blockKey = blockKeyOf(m.Key, m.ID)
-		if err := json.Unmarshal(meta, &m.Metadata); err != nil {
+		if m.Metadata, err = parseMetadata(meta); err != nil {
 			// Not a JSON object of strings (the writer never stores that): refuse this row only.
 			m.Metadata = nil
 			m.badMetadata = fmt.Errorf("metadata of row %d is not a JSON object of strings: %w", m.ID, err)

@@ -12,6 +12,8 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"sync"
 	"time"
@@ -290,6 +292,7 @@ func benchDrain(ctx context.Context, e *env) ([]result, error) {
 			sys.close()
 			return nil, err
 		}
+		stopProfile := maybeProfile("drain-" + f.name)
 		start := time.Now()
 		stop, err := sys.start(ctx)
 		if err != nil {
@@ -299,6 +302,7 @@ func benchDrain(ctx context.Context, e *env) ([]result, error) {
 		}
 		err = rcv.waitFor(ctx, total, 10*time.Minute)
 		took := time.Since(start)
+		stopProfile()
 		stop()
 		rcv.stop()
 		sys.close()
@@ -480,6 +484,27 @@ func measureStall(ctx context.Context, e *env, sys relaySystem, name string, tri
 		delays = append(delays, at.Sub(committed))
 	}
 	return delays, nil
+}
+
+// maybeProfile writes a CPU profile of the bench process for the named phase when
+// BENCH_CPUPROFILE names a folder (e.g. BENCH_CPUPROFILE=/tmp/prof make bench), to see where
+// the time goes: go tool pprof -top /tmp/prof/drain-onceflow.pprof.
+func maybeProfile(name string) func() {
+	dir := os.Getenv("BENCH_CPUPROFILE")
+	if dir == "" {
+		return func() {}
+	}
+	f, err := os.Create(filepath.Join(dir, name+".pprof"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "cpu profile:", err)
+		return func() {}
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		fmt.Fprintln(os.Stderr, "cpu profile:", err)
+		f.Close()
+		return func() {}
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }
 }
 
 func targetIf(system, target string) string {
