@@ -35,7 +35,7 @@ type KafkaConfig struct {
 	// Default DefaultMaxMessageBytes.
 	MaxMessageBytes int
 	// DeliveryTimeout bounds how long one batch retries transient broker errors (leader
-	// changes, timeouts, broker down) inside the producer. Default 30s.
+	// changes, timeouts, broker down) inside the producer. At least 1s; default 30s.
 	DeliveryTimeout time.Duration
 	// DisableAutoTopicCreation stops the client from asking the broker to create missing
 	// topics. Default false: the broker's auto.create.topics.enable decides, as with the Java
@@ -86,8 +86,8 @@ func NewKafkaSink(cfg KafkaConfig) (*KafkaSink, error) {
 	if cfg.MaxMessageBytes < 512 || cfg.MaxMessageBytes > 1<<30 {
 		problems = append(problems, fmt.Errorf("MaxMessageBytes is %d; use 512 to %d (0 means the default %d)", cfg.MaxMessageBytes, 1<<30, DefaultMaxMessageBytes))
 	}
-	if cfg.DeliveryTimeout < 0 {
-		problems = append(problems, fmt.Errorf("DeliveryTimeout is %s; use a positive duration (0 means the default %s)", cfg.DeliveryTimeout, DefaultDeliveryTimeout))
+	if cfg.DeliveryTimeout < time.Second {
+		problems = append(problems, fmt.Errorf("DeliveryTimeout is %s; use at least 1s (0 means the default %s)", cfg.DeliveryTimeout, DefaultDeliveryTimeout))
 	}
 	if len(problems) > 0 {
 		return nil, &ConfigError{What: "Kafka config", Problems: problems}

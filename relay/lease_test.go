@@ -24,6 +24,7 @@ type recorder struct {
 	failed    map[string]int
 	parked    int
 	pending   int64
+	failCalls int // Failed calls: one per sink call with failures
 	changed   chan struct{}
 }
 
@@ -41,8 +42,10 @@ func (r *recorder) note(f func()) {
 	}
 }
 
-func (r *recorder) Published(n int, _ time.Duration)    { r.note(func() { r.published += n }) }
-func (r *recorder) Failed(kind string, n int)           { r.note(func() { r.failed[kind] += n }) }
+func (r *recorder) Published(n int, _ time.Duration) { r.note(func() { r.published += n }) }
+func (r *recorder) Failed(kind string, n int) {
+	r.note(func() { r.failed[kind] += n; r.failCalls++ })
+}
 func (r *recorder) Parked(n int)                        { r.note(func() { r.parked += n }) }
 func (r *recorder) OwnedShards(n int)                   { r.note(func() { r.owned = n }) }
 func (r *recorder) Pending(rows int64, _ time.Duration) { r.note(func() { r.pending = rows }) }

@@ -249,8 +249,18 @@ func (r *Relay) loop(ctx context.Context) {
 				r.log.Warn("relay could not release shards; they expire on their own", "err", err)
 			}
 		}
-		wait, again := r.step(ctx)
-		if again {
+		wait, next := r.step(ctx)
+		switch next {
+		case claimAgain:
+			continue
+		case backOff:
+			// Something failed for everyone (broker or database): wait it out, ignoring
+			// notifications, which would only hit the same failure sooner.
+			poll.Reset(wait)
+			select {
+			case <-ctx.Done():
+			case <-poll.C:
+			}
 			continue
 		}
 		if wait <= 0 || wait > r.cfg.PollInterval {
@@ -272,12 +282,21 @@ func (r *Relay) loop(ctx context.Context) {
 	}
 }
 
-// step claims and publishes one batch. again reports that another batch should follow at once
-// (the batch was full and made progress); otherwise wait bounds the sleep before the next one.
-func (r *Relay) step(ctx context.Context) (wait time.Duration, again bool) {
+// What the loop does after a step.
+type nextStep int
+
+const (
+	claimAgain nextStep = iota // the batch was full and made progress: claim the next one now
+	idle                       // wait for a notification, a lease change, a blocked key's retry or the poll
+	backOff                    // a global failure: wait the whole backoff
+)
+
+// step claims and publishes one batch and says what the loop does next, and for how long at
+// most it waits.
+func (r *Relay) step(ctx context.Context) (wait time.Duration, next nextStep) {
 	snap, bctx, done, ok := r.leases.begin(context.WithoutCancel(ctx))
 	if !ok {
-		return r.cfg.PollInterval, false
+		return r.cfg.PollInterval, idle
 	}
 	defer done()
 	// On shutdown the batch in flight gets ShutdownTimeout to finish; lease loss cancels it at
@@ -286,7 +305,7 @@ func (r *Relay) step(ctx context.Context) (wait time.Duration, again bool) {
 	defer stop()
 
 	now := time.Now()
-	keys, ids, next := r.blocked.filter(now)
+	keys, ids, retryAt := r.blocked.filter(now)
 	// The previous batch's delete may still run: skip its id range in this claim (a row that
 	// committed late inside that range waits one batch), then make sure it finished before the
 	// next claim, which no longer skips it.
@@ -300,18 +319,19 @@ func (r *Relay) step(ctx context.Context) (wait time.Duration, again bool) {
 	tClaim := time.Since(t0)
 	r.waitPending()
 	if err != nil {
-		if bctx.Err() == nil {
-			r.m.Failed(FailDatabase, 1)
-			r.log.Warn("relay claim failed; retrying", "err", err)
+		if bctx.Err() != nil {
+			return r.cfg.PollInterval, idle // lease lost or shutting down, not a database failure
 		}
-		return r.globalBackoff(), false
+		r.m.Failed(FailDatabase, 1)
+		r.log.Warn("relay claim failed; retrying", "err", err)
+		return r.globalBackoff(), backOff
 	}
-	if !next.IsZero() {
-		wait = next.Sub(now)
+	if !retryAt.IsZero() {
+		wait = retryAt.Sub(now)
 	}
 	if len(msgs) == 0 {
 		r.idleFails = 0
-		return wait, false
+		return wait, idle
 	}
 	t1 := time.Now()
 	res := r.publish(bctx, msgs)
@@ -322,10 +342,13 @@ func (r *Relay) step(ctx context.Context) (wait time.Duration, again bool) {
 			"claim", tClaim, "publish", t2.Sub(t1), "finish", time.Since(t2))
 	}
 	if len(res.ackedIDs) == 0 && len(res.parkedIDs) == 0 && res.transient > 0 {
-		return r.globalBackoff(), false
+		return r.globalBackoff(), backOff
 	}
 	r.idleFails = 0
-	return wait, len(msgs) == r.cfg.BatchSize
+	if len(msgs) == r.cfg.BatchSize {
+		return 0, claimAgain
+	}
+	return wait, idle
 }
 
 func (r *Relay) globalBackoff() time.Duration {
