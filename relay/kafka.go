@@ -205,6 +205,23 @@ func (s *KafkaSink) Publish(ctx context.Context, msgs []*Message, errs []error) 
 // because their encoded record exceeds KafkaConfig.MaxMessageBytes.
 var ErrMessageTooLarge = errors.New("message too large for the broker")
 
+// ErrInvalidTopic is wrapped (as a PermanentError) for rows whose topic Kafka cannot accept.
+var ErrInvalidTopic = errors.New("invalid Kafka topic name")
+
+// validTopic applies Kafka's rules for topic names: 1 to 249 characters out of ASCII letters,
+// digits, '.', '_' and '-', and not "." or "..".
+func validTopic(t string) error {
+	if t == "" || t == "." || t == ".." || len(t) > 249 {
+		return fmt.Errorf("%w %q: use 1 to 249 characters, not \".\" or \"..\"", ErrInvalidTopic, t)
+	}
+	for _, c := range []byte(t) {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+			return fmt.Errorf("%w %q: only ASCII letters, digits, '.', '_' and '-' are allowed", ErrInvalidTopic, t)
+		}
+	}
+	return nil
+}
+
 // ErrReservedHeader is wrapped (as a PermanentError) for rows whose metadata uses the header
 // name that carries the event id.
 var ErrReservedHeader = errors.New("metadata key " + UUIDHeader + " is reserved for the event id")
@@ -212,6 +229,9 @@ var ErrReservedHeader = errors.New("metadata key " + UUIDHeader + " is reserved 
 func (s *KafkaSink) record(m *Message) (*kgo.Record, error) {
 	if _, ok := m.Metadata[UUIDHeader]; ok {
 		return nil, ErrReservedHeader
+	}
+	if err := validTopic(m.Topic); err != nil {
+		return nil, err
 	}
 	rec := &kgo.Record{Topic: m.Topic, Value: m.Payload}
 	if rec.Value == nil {

@@ -143,7 +143,12 @@ func (l *leases) run(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		if err := l.tick(ctx); err != nil && ctx.Err() == nil {
+		// A renewal that takes longer than the lease is useless (the fence has lapsed), and a
+		// connection that died silently must not hang the relay until TCP gives up.
+		tctx, cancel := context.WithTimeout(ctx, l.cfg.LeaseDuration)
+		err := l.tick(tctx)
+		cancel()
+		if err != nil && ctx.Err() == nil {
 			l.m.Failed(FailDatabase, 1)
 			l.log.Warn("relay lease renewal failed; publishing continues until the lease fence, then stops until the database answers again",
 				"err", err, "fence_in", time.Until(l.fenceDeadline()).Round(time.Millisecond))

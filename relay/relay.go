@@ -517,7 +517,10 @@ func (r *Relay) sampleStats(ctx context.Context) {
 	for {
 		var rows int64
 		var age float64
-		if err := r.pool.QueryRow(ctx, r.q.stats).Scan(&rows, &age); err == nil {
+		qctx, cancel := context.WithTimeout(ctx, r.cfg.StatsInterval)
+		err := r.pool.QueryRow(qctx, r.q.stats).Scan(&rows, &age)
+		cancel()
+		if err == nil {
 			r.m.Pending(rows, time.Duration(age*float64(time.Second)))
 		} else if ctx.Err() == nil {
 			r.m.Failed(FailDatabase, 1)
@@ -529,6 +532,9 @@ func (r *Relay) sampleStats(ctx context.Context) {
 		}
 	}
 }
+
+// listenerCheck is how often an idle listener checks its connection.
+const listenerCheck = 30 * time.Second
 
 // listen holds a dedicated connection LISTENing on the outbox channel and wakes the loop on
 // every notification. It reconnects with backoff when the connection drops, and wakes the loop
@@ -552,10 +558,26 @@ func (r *Relay) listen(ctx context.Context) {
 			fails = 0
 			r.signal()
 			for {
-				if _, err := conn.WaitForNotification(ctx); err != nil {
+				// Wake up now and then to check the connection: one that died without a reset
+				// would otherwise leave the relay on the poll fallback until TCP gives up.
+				wctx, cancel := context.WithTimeout(ctx, listenerCheck)
+				_, err := conn.WaitForNotification(wctx)
+				cancel()
+				switch {
+				case err == nil:
+					r.signal()
+				case ctx.Err() != nil:
+					return ctx.Err()
+				case errors.Is(err, context.DeadlineExceeded):
+					pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+					err = conn.Ping(pctx)
+					cancel()
+					if err != nil {
+						return fmt.Errorf("listener connection check: %w", err)
+					}
+				default:
 					return err
 				}
-				r.signal()
 			}
 		}()
 		if ctx.Err() != nil {

@@ -184,3 +184,16 @@ func TestVarintLen(t *testing.T) {
 		}
 	}
 }
+
+func TestValidTopic(t *testing.T) {
+	for _, ok := range []string{"orders", "orders.placed", "a_b-c.D9", strings.Repeat("t", 249)} {
+		if err := validTopic(ok); err != nil {
+			t.Errorf("validTopic(%q) = %v", ok, err)
+		}
+	}
+	for _, bad := range []string{"", ".", "..", "with space", "ümlaut", "a/b", strings.Repeat("t", 250)} {
+		if err := validTopic(bad); !errors.Is(err, ErrInvalidTopic) {
+			t.Errorf("validTopic(%q) = %v, want ErrInvalidTopic", bad, err)
+		}
+	}
+}
