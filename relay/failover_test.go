@@ -4,6 +4,7 @@ import (
 	"context"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -53,7 +54,10 @@ func liveOwners(ls []leaseRow) map[string]int {
 // is well defined), until stopped; it returns everything it wrote.
 func backgroundWriter(t testing.TB, db *testdb.DB, topic string, keys int) (stop func() []written) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
+	// Transactions run to completion on a context that is never cancelled: cancelling one
+	// during COMMIT could leave it committed while the writer believes it failed.
+	ctx := context.Background()
+	var stopping atomic.Bool
 	w, err := outbox.NewWriter(outbox.Config{Schema: db.Schema})
 	if err != nil {
 		t.Fatal(err)
@@ -64,7 +68,7 @@ func backgroundWriter(t testing.TB, db *testdb.DB, topic string, keys int) (stop
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		for i := 0; ctx.Err() == nil; i++ {
+		for i := 0; !stopping.Load(); i++ {
 			var batch []*message.Message
 			var ws []written
 			for j := range 20 {
@@ -76,7 +80,8 @@ func backgroundWriter(t testing.TB, db *testdb.DB, topic string, keys int) (stop
 				ws = append(ws, written{EventID: m.UUID, Key: key, Seq: s})
 			}
 			if err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error { return w.WriteTx(ctx, tx, topic, batch...) }); err != nil {
-				return // cancelled mid-write: nothing of this batch was committed
+				t.Errorf("background writer: %v", err)
+				return
 			}
 			mu.Lock()
 			out = append(out, ws...)
@@ -85,7 +90,7 @@ func backgroundWriter(t testing.TB, db *testdb.DB, topic string, keys int) (stop
 		}
 	}()
 	return func() []written {
-		cancel()
+		stopping.Store(true)
 		<-done
 		mu.Lock()
 		defer mu.Unlock()

@@ -33,8 +33,6 @@ type Relay struct {
 	// idleFails counts consecutive batches that made no progress because of transient
 	// errors; it drives the global backoff.
 	idleFails int
-	// pending is the previous batch's delete, still running (loop goroutine only).
-	pending *pendingDelete
 }
 
 // New validates cfg and returns a relay publishing the outbox of cfg.Schema through sink.
@@ -113,7 +111,6 @@ func (r *Relay) Run(ctx context.Context) error {
 		"poll_interval", r.cfg.PollInterval, "lease_duration", r.cfg.LeaseDuration)
 
 	r.loop(ctx)
-	r.waitPending()
 
 	stopBg()
 	wg.Wait()
@@ -243,7 +240,6 @@ func (r *Relay) loop(ctx context.Context) {
 	defer poll.Stop()
 	for ctx.Err() == nil {
 		if shards, epochs := r.leases.takeReleases(); len(shards) > 0 {
-			r.waitPending() // the next owner should not see rows already delivered
 			if err := r.leases.giveBack(ctx, shards, epochs); err != nil && ctx.Err() == nil {
 				r.m.Failed(FailDatabase, 1)
 				r.log.Warn("relay could not release shards; they expire on their own", "err", err)
@@ -306,18 +302,10 @@ func (r *Relay) step(ctx context.Context) (wait time.Duration, next nextStep) {
 
 	now := time.Now()
 	keys, ids, retryAt := r.blocked.filter(now)
-	// The previous batch's delete may still run: skip its id range in this claim (a row that
-	// committed late inside that range waits one batch), then make sure it finished before the
-	// next claim, which no longer skips it.
-	var skip *[2]int64
-	if p := r.pending; p != nil {
-		skip = &[2]int64{p.lo, p.hi}
-	}
-	sql, args := r.q.claimSQL(snap, r.cfg.Shards, keys, ids, skip, r.cfg.BatchSize)
+	sql, args := r.q.claimSQL(snap, r.cfg.Shards, keys, ids, r.cfg.BatchSize)
 	t0 := time.Now()
 	msgs, err := r.claim(bctx, sql, args)
 	tClaim := time.Since(t0)
-	r.waitPending()
 	if err != nil {
 		if bctx.Err() != nil {
 			return r.cfg.PollInterval, idle // lease lost or shutting down, not a database failure
@@ -387,8 +375,14 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
 	now := time.Now()
+	// Deleted before the next claim, never overlapped with it: a claim that skipped rows still
+	// being deleted by an id range would also skip a row of the same key committed late inside
+	// that range while taking the key's later rows, and reorder the key.
 	if len(res.ackedIDs) > 0 {
-		r.startDelete(ctx, res.ackedIDs)
+		if err := r.deleteAcked(fctx, res.ackedIDs); err != nil {
+			r.m.Failed(FailDatabase, 1)
+			r.log.Warn("relay could not delete acknowledged rows; they will be published again (same event ids)", "rows", len(res.ackedIDs), "err", err)
+		}
 	}
 	for _, m := range res.ackedMsgs {
 		r.blocked.ok(m)
@@ -398,40 +392,6 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 	}
 	for _, m := range res.transientMsgs {
 		r.blocked.fail(m, 0, now)
-	}
-}
-
-// pendingDelete is the delete of a batch's acknowledged rows, which runs while the next batch
-// is claimed.
-type pendingDelete struct {
-	lo, hi int64 // id range of the rows
-	done   chan struct{}
-}
-
-// startDelete deletes acknowledged rows in the background; the next step overlaps its claim
-// with it and waits for it afterwards (waitPending).
-func (r *Relay) startDelete(ctx context.Context, ids []int64) {
-	p := &pendingDelete{lo: ids[0], hi: ids[0], done: make(chan struct{})}
-	for _, id := range ids {
-		p.lo, p.hi = min(p.lo, id), max(p.hi, id)
-	}
-	r.pending = p
-	go func() {
-		defer close(p.done)
-		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-		if err := r.deleteAcked(dctx, ids); err != nil {
-			r.m.Failed(FailDatabase, 1)
-			r.log.Warn("relay could not delete acknowledged rows; they will be published again (same event ids)", "rows", len(ids), "err", err)
-		}
-	}()
-}
-
-// waitPending waits for the background delete, if any.
-func (r *Relay) waitPending() {
-	if r.pending != nil {
-		<-r.pending.done
-		r.pending = nil
 	}
 }
 

@@ -73,10 +73,10 @@ func newQueries(schema string) *queries {
 }
 
 // claimSQL builds the claim for a batch: committed rows of the given shards, minus blocked
-// keys and rows and the id range still being deleted (skip), oldest id first. It reads only committed rows and takes no locks, so an open
+// keys and rows, oldest id first. It reads only committed rows and takes no locks, so an open
 // transaction elsewhere never delays it; the shard lease already makes this relay the only
 // publisher of these rows.
-func (q *queries) claimSQL(s snapshot, shards int, keys []string, ids []int64, skip *[2]int64, limit int) (string, []any) {
+func (q *queries) claimSQL(s snapshot, shards int, keys []string, ids []int64, limit int) (string, []any) {
 	var b strings.Builder
 	b.WriteString(`SELECT id, event_id::text, topic, partition_key, key_hash, payload, metadata, created_at, attempts FROM `)
 	b.WriteString(q.outbox)
@@ -91,9 +91,6 @@ func (q *queries) claimSQL(s snapshot, shards int, keys []string, ids []int64, s
 	}
 	if len(ids) > 0 {
 		where = append(where, `id <> ALL(`+arg(ids)+`::bigint[])`)
-	}
-	if skip != nil {
-		where = append(where, `(id < `+arg(skip[0])+` OR id > `+arg(skip[1])+`)`)
 	}
 	if len(where) > 0 {
 		b.WriteString(" WHERE ")
