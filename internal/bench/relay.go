@@ -524,8 +524,6 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 	return s[max(0, min(rank, len(s)-1))]
 }
 
-
-
 // relayLog is the relay's logger: warnings only, or everything with BENCH_RELAY_DEBUG=1 (one
 // line per batch with the time spent claiming, publishing and finishing).
 func (e *env) relayLog() *slog.Logger {
