@@ -42,7 +42,7 @@ func Example() {
 		fmt.Println(err)
 		return
 	}
-	defer sink.Close()
+	defer func() { _ = sink.Close() }()
 	r, err := relay.New(pool, sink, relay.Config{Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		fmt.Println(err)
@@ -72,7 +72,7 @@ func exampleInfra(ctx context.Context) (*pgxpool.Pool, []string, func()) {
 		if err != nil {
 			panic(err)
 		}
-		stops = append(stops, func() { pg.Stop() })
+		stops = append(stops, func() { _ = pg.Stop() })
 		url = pg.URL()
 	} else {
 		admin, err := pgx.Connect(ctx, url)
@@ -84,8 +84,8 @@ func exampleInfra(ctx context.Context) (*pgxpool.Pool, []string, func()) {
 			panic(err)
 		}
 		stops = append(stops, func() {
-			admin.Exec(ctx, "DROP DATABASE "+name+" WITH (FORCE)")
-			admin.Close(ctx)
+			_, _ = admin.Exec(ctx, "DROP DATABASE "+name+" WITH (FORCE)")
+			_ = admin.Close(ctx)
 		})
 		cfg, err := pgx.ParseConfig(url)
 		if err != nil {

@@ -280,7 +280,7 @@ func newKafkaRelayWith(t testing.TB, db *testdb.DB, kcfg relay.KafkaConfig, cfg 
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { sink.Close() })
+	t.Cleanup(func() { _ = sink.Close() })
 	cfg.Schema = db.Schema
 	if cfg.Logger == nil {
 		cfg.Logger = testLogger(t)

@@ -215,11 +215,15 @@ func validTopic(t string) error {
 		return fmt.Errorf("%w %q: use 1 to 249 characters, not \".\" or \"..\"", ErrInvalidTopic, t)
 	}
 	for _, c := range []byte(t) {
-		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-') {
+		if !topicChar(c) {
 			return fmt.Errorf("%w %q: only ASCII letters, digits, '.', '_' and '-' are allowed", ErrInvalidTopic, t)
 		}
 	}
 	return nil
+}
+
+func topicChar(c byte) bool {
+	return c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-'
 }
 
 // ErrReservedHeader is wrapped (as a PermanentError) for rows whose metadata uses the header

@@ -189,7 +189,7 @@ func (l *leases) tick(ctx context.Context) error {
 	var members []string
 	err := func() error {
 		br := l.pool.SendBatch(ctx, b)
-		defer br.Close()
+		defer func() { _ = br.Close() }() // closed explicitly below on success
 		if _, err := br.Exec(); err != nil {
 			return fmt.Errorf("heartbeat: %w", err)
 		}

@@ -234,7 +234,7 @@ func TestShardCountMustAgree(t *testing.T) {
 	startRelay(t, newKafkaRelay(t, db, brokers, relay.Config{Shards: 32, Metrics: rec2}))
 	rec2.waitFor(t, 30*time.Second, "32 shards owned", func(r *recorder) bool { return r.owned == 32 })
 	if err := relay.Reshard(ctx, db.Pool, relay.ReshardOptions{Schema: "Bad", Shards: 0}); err == nil ||
-		!strings.Contains(err.Error(), "invalid schema name") || !strings.Contains(err.Error(), "Shards is 0") {
+		!strings.Contains(err.Error(), "invalid schema name") || !strings.Contains(err.Error(), "shard count 0") {
 		t.Fatalf("Reshard with bad options: %v", err)
 	}
 }
@@ -276,7 +276,7 @@ func TestDatabaseConnectionLoss(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer sink.Close()
+	defer func() { _ = sink.Close() }()
 	rec := newRecorder()
 	r, err := relay.New(pool, sink, relay.Config{Schema: db.Schema, BatchSize: 20, Metrics: rec, Logger: testLogger(t),
 		LeaseDuration: 2 * time.Second, RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 200 * time.Millisecond})

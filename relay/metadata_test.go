@@ -60,13 +60,13 @@ func BenchmarkParseMetadata(b *testing.B) {
 	in := []byte(`{"name": "orders.placed", "partition_key": "key-aa", "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}`)
 	b.Run("fast", func(b *testing.B) {
 		for range b.N {
-			parseMetadata(in)
+			_, _ = parseMetadata(in)
 		}
 	})
 	b.Run("encoding/json", func(b *testing.B) {
 		for range b.N {
 			var m map[string]string
-			json.Unmarshal(in, &m)
+			_ = json.Unmarshal(in, &m)
 		}
 	})
 }

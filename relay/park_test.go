@@ -91,14 +91,14 @@ func TestParkingAndReplay(t *testing.T) {
 	// Phase 1: a high limit, so the poison row keeps failing.
 	cfg := relay.Config{BatchSize: 50, MaxAttempts: 1000, RetryBackoff: 20 * time.Millisecond, MaxRetryBackoff: 100 * time.Millisecond}
 	stop := startRelay(t, newKafkaRelay(t, db, brokers, cfg))
-	got := c.waitDistinct(t, 1+len(bs)+1, 60*time.Second) // a1, every B, the keyless row
+	c.waitDistinct(t, 1+len(bs)+1, 60*time.Second) // a1, every B, the keyless row
 	eventually(t, 60*time.Second, "the poison row to be retried", func() bool { n, _ := rowAttempts(t, db, poison.UUID); return n >= 3 })
 	stop()
 	attempts, lastErr := rowAttempts(t, db, poison.UUID)
 	if !strings.Contains(lastErr, "MESSAGE_TOO_LARGE") {
 		t.Fatalf("last_error = %q, want the broker's MESSAGE_TOO_LARGE", lastErr)
 	}
-	got = c.snapshot()
+	got := c.snapshot()
 	if ids := keyOrder(got, "B"); len(ids) != len(bs) {
 		t.Fatalf("key B: %d of %d events delivered while key A was blocked", len(ids), len(bs))
 	}

@@ -194,7 +194,7 @@ func Reshard(ctx context.Context, pool *pgxpool.Pool, opts ReshardOptions) error
 		problems = append(problems, err)
 	}
 	if opts.Shards < 1 || opts.Shards > MaxShards {
-		problems = append(problems, fmt.Errorf("Shards is %d; use 1 to %d", opts.Shards, MaxShards))
+		problems = append(problems, fmt.Errorf("shard count %d: use 1 to %d", opts.Shards, MaxShards))
 	}
 	if err := errors.Join(problems...); err != nil {
 		return fmt.Errorf("relay: reshard: %w", err)
@@ -508,7 +508,7 @@ func (r *Relay) listen(ctx context.Context) {
 			if err != nil {
 				return fmt.Errorf("connect: %w", err)
 			}
-			defer conn.Close(context.WithoutCancel(ctx))
+			defer func() { _ = conn.Close(context.WithoutCancel(ctx)) }() // nothing to do if closing fails
 			if _, err := conn.Exec(ctx, "LISTEN "+channel); err != nil {
 				return fmt.Errorf("LISTEN %s: %w", channel, err)
 			}

@@ -75,7 +75,7 @@ func TestWatermillSubscriberReadsRelayedMessages(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer sub.Close()
+	defer func() { _ = sub.Close() }()
 	sctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	ch, err := sub.Subscribe(sctx, topic)
@@ -140,7 +140,7 @@ func TestPublisherSinkWithWatermillKafka(t *testing.T) {
 		t.Fatal(err)
 	}
 	sink := relay.NewPublisherSink(pub, relay.PublisherSinkConfig{})
-	defer sink.Close()
+	defer func() { _ = sink.Close() }()
 	r, err := relay.New(db.Pool, sink, relay.Config{Schema: db.Schema, BatchSize: 100, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)

@@ -53,7 +53,7 @@ func newRelayOnPool(t testing.TB, pool *pgxpool.Pool, db *testdb.DB, brokers []s
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { sink.Close() })
+	t.Cleanup(func() { _ = sink.Close() })
 	cfg.Schema = db.Schema
 	cfg.Logger = testLogger(t)
 	r, err := relay.New(pool, sink, cfg)

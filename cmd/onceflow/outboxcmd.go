@@ -123,56 +123,69 @@ func outboxInspect(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	w := stdout
-	fmt.Fprintf(w, "schema %q at %s\n", db.schema, s.CheckedAt.UTC().Format(time.RFC3339))
+	// One tabwriter for everything: a line without tabs ends a table, so each section is
+	// aligned on its own.
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	p := &printer{w: tw}
+	p.f("schema %q at %s\n", db.schema, s.CheckedAt.UTC().Format(time.RFC3339))
 	age := "-"
 	if !s.Oldest.IsZero() {
 		age = s.CheckedAt.Sub(s.Oldest).Round(time.Millisecond).String()
 	}
-	fmt.Fprintf(w, "pending: %d rows (oldest %s old), %d refused at least once; parked: %d\n", s.Pending, age, s.Failing, s.Parked)
+	p.f("pending: %d rows (oldest %s old), %d refused at least once; parked: %d\n", s.Pending, age, s.Failing, s.Parked)
 	if len(s.PerTopic) > 0 {
-		tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "\nTOPIC\tPENDING")
+		p.f("\nTOPIC\tPENDING\n")
 		for _, t := range s.PerTopic {
-			fmt.Fprintf(tw, "%s\t%d\n", t.Topic, t.Pending)
+			p.f("%s\t%d\n", t.Topic, t.Pending)
 		}
-		tw.Flush()
 	}
-	fmt.Fprintf(w, "\nshards: %d\n", s.Shards)
+	p.f("\nshards: %d\n", s.Shards)
 	if len(s.Leases) > 0 {
-		tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "OWNER\tSHARDS\tLIVE\tEARLIEST EXPIRY")
+		p.f("OWNER\tSHARDS\tLIVE\tEARLIEST EXPIRY\n")
 		for _, l := range s.Leases {
 			owner := l.Owner
 			if owner == "" {
 				owner = "(free)"
 			}
-			fmt.Fprintf(tw, "%s\t%d\t%t\t%s\n", owner, l.Shards, l.Live, fmtTime(l.ExpiresAt))
+			p.f("%s\t%d\t%t\t%s\n", owner, l.Shards, l.Live, fmtTime(l.ExpiresAt))
 		}
-		tw.Flush()
 	}
 	if len(s.Members) > 0 {
-		tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "\nRELAY\tHOST\tPID\tLIVE\tSTARTED\tLAST HEARTBEAT")
+		p.f("\nRELAY\tHOST\tPID\tLIVE\tSTARTED\tLAST HEARTBEAT\n")
 		for _, m := range s.Members {
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%t\t%s\t%s\n", m.ID, m.Host, m.PID, m.Live, fmtTime(m.StartedAt), fmtTime(m.HeartbeatAt))
+			p.f("%s\t%s\t%d\t%t\t%s\t%s\n", m.ID, m.Host, m.PID, m.Live, fmtTime(m.StartedAt), fmtTime(m.HeartbeatAt))
 		}
-		tw.Flush()
 	}
-	if *limit <= 0 {
-		return nil
+	if *limit > 0 {
+		rows, err := admin.Pending(ctx, pool, relay.PendingFilter{Topic: *topic, Failing: *failing, Limit: *limit})
+		if err != nil {
+			return err
+		}
+		if len(rows) > 0 {
+			p.f("\nID\tEVENT ID\tTOPIC\tKEY\tBYTES\tCREATED\tATTEMPTS\tLAST ERROR\n")
+			for _, r := range rows {
+				p.f("%d\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, fmtTime(r.CreatedAt), r.Attempts, oneLine(r.LastError))
+			}
+		}
 	}
-	rows, err := admin.Pending(ctx, pool, relay.PendingFilter{Topic: *topic, Failing: *failing, Limit: *limit})
-	if err != nil {
-		return err
+	return p.flush(tw)
+}
+
+// printer remembers the first write error, so a long report checks it once.
+type printer struct {
+	w   io.Writer
+	err error
+}
+
+func (p *printer) f(format string, args ...any) {
+	if p.err == nil {
+		_, p.err = fmt.Fprintf(p.w, format, args...)
 	}
-	if len(rows) == 0 {
-		return nil
-	}
-	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "\nID\tEVENT ID\tTOPIC\tKEY\tBYTES\tCREATED\tATTEMPTS\tLAST ERROR")
-	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, fmtTime(r.CreatedAt), r.Attempts, oneLine(r.LastError))
+}
+
+func (p *printer) flush(tw *tabwriter.Writer) error {
+	if p.err != nil {
+		return p.err
 	}
 	return tw.Flush()
 }
@@ -203,16 +216,17 @@ func outboxParked(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	if len(rows) == 0 {
-		fmt.Fprintln(stdout, "no parked rows")
-		return nil
-	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tEVENT ID\tTOPIC\tKEY\tBYTES\tATTEMPTS\tPARKED\tBY\tERROR")
-	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, r.Attempts, fmtTime(r.ParkedAt), r.ParkedBy, oneLine(r.LastError))
+	p := &printer{w: tw}
+	if len(rows) == 0 {
+		p.f("no parked rows\n")
+	} else {
+		p.f("ID\tEVENT ID\tTOPIC\tKEY\tBYTES\tATTEMPTS\tPARKED\tBY\tERROR\n")
 	}
-	return tw.Flush()
+	for _, r := range rows {
+		p.f("%d\t%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, r.Attempts, fmtTime(r.ParkedAt), r.ParkedBy, oneLine(r.LastError))
+	}
+	return p.flush(tw)
 }
 
 func outboxReplay(ctx context.Context, args []string) error {
@@ -244,6 +258,7 @@ func outboxReplay(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
+	p := &printer{w: stdout}
 	if *dryRun {
 		f.Limit = 1 << 30
 		rows, err := admin.Parked(ctx, pool, f)
@@ -251,10 +266,10 @@ func outboxReplay(ctx context.Context, args []string) error {
 			return err
 		}
 		for _, r := range rows {
-			fmt.Fprintf(stdout, "would replay id %d event %s topic %s key %q\n", r.ID, r.EventID, r.Topic, r.Key)
+			p.f("would replay id %d event %s topic %s key %q\n", r.ID, r.EventID, r.Topic, r.Key)
 		}
-		fmt.Fprintf(stdout, "%d parked rows would be replayed (dry run: nothing changed)\n", len(rows))
-		return nil
+		p.f("%d parked rows would be replayed (dry run: nothing changed)\n", len(rows))
+		return p.err
 	}
 	var done []relay.Replayed
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
@@ -266,10 +281,10 @@ func outboxReplay(ctx context.Context, args []string) error {
 		return err
 	}
 	for _, r := range done {
-		fmt.Fprintf(stdout, "replayed event %s as outbox row %d\n", r.EventID, r.ID)
+		p.f("replayed event %s as outbox row %d\n", r.EventID, r.ID)
 	}
-	fmt.Fprintf(stdout, "%d parked rows moved back into the outbox\n", len(done))
-	return nil
+	p.f("%d parked rows moved back into the outbox\n", len(done))
+	return p.err
 }
 
 func fmtTime(t time.Time) string {

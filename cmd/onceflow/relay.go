@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -96,8 +97,7 @@ func runRelay(ctx context.Context, args []string) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		fmt.Fprintf(fs.Output(), "onceflow relay: unexpected arguments %q\n", fs.Args())
-		return errUsage
+		return fmt.Errorf("unexpected arguments %q: the relay takes flags only (see onceflow relay -h)", fs.Args())
 	}
 
 	problems := env.problems
@@ -151,11 +151,11 @@ func runRelay(ctx context.Context, args []string) error {
 	problems = appendProblems(problems, err)
 	if len(problems) > 0 {
 		if sink != nil {
-			sink.Close()
+			_ = sink.Close() // nothing connected yet
 		}
 		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
 	}
-	defer sink.Close()
+	defer func() { _ = sink.Close() }()
 
 	pool, err := connectRelayPool(ctx, db)
 	if err != nil {
@@ -239,7 +239,7 @@ func serveMetrics(addr string, reg *prometheus.Registry, r *relay.Relay, logger 
 			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 			return
 		}
-		fmt.Fprintln(w, "ok")
+		_, _ = io.WriteString(w, "ok\n") // the client went away if this fails
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go func() {

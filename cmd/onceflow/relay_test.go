@@ -28,7 +28,9 @@ func captureStderr(t *testing.T, f func()) string {
 	go func() { b, _ := io.ReadAll(r); done <- string(b) }()
 	f()
 	os.Stderr = old
-	w.Close()
+	if err := w.Close(); err != nil {
+		t.Fatal(err)
+	}
 	return <-done
 }
 
@@ -66,7 +68,9 @@ func TestRelayCommandServesMetricsAndStopsCleanly(t *testing.T) {
 		t.Fatal(err)
 	}
 	addr := ln.Addr().String()
-	ln.Close()
+	if err := ln.Close(); err != nil { // free the port for the relay's metrics server
+		t.Fatal(err)
+	}
 	if _, err := db.Pool.Exec(context.Background(), `INSERT INTO outbox (event_id, topic, key_hash, payload) VALUES (gen_random_uuid(), $1, 1, 'x')`, kafkatest.Topic("cmd")); err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +86,7 @@ func TestRelayCommandServesMetricsAndStopsCleanly(t *testing.T) {
 		if err != nil {
 			return 0, err.Error()
 		}
-		defer resp.Body.Close()
+		defer func() { _ = resp.Body.Close() }()
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
@@ -167,9 +171,14 @@ func TestOutboxCommands(t *testing.T) {
 	if code := run(ctx, append([]string{"outbox", "replay", "--topic", "orders", "--dry-run"}, args...)); code != 0 || !strings.Contains(buf.String(), "1 parked rows would be replayed") {
 		t.Fatalf("dry run exited %d:\n%s", code, buf.String())
 	}
-	var parked int
-	db.Pool.QueryRow(ctx, "SELECT count(*) FROM outbox_parked").Scan(&parked)
-	if parked != 2 {
+	countParked := func() int {
+		var n int
+		if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM outbox_parked").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if parked := countParked(); parked != 2 {
 		t.Fatalf("refused or dry-run replays changed the parked rows: %d left", parked)
 	}
 	buf.Reset()
@@ -187,8 +196,7 @@ func TestOutboxCommands(t *testing.T) {
 	if code := run(ctx, append([]string{"outbox", "replay", "--all"}, args...)); code != 0 {
 		t.Fatalf("replay --all exited %d", code)
 	}
-	db.Pool.QueryRow(ctx, "SELECT count(*) FROM outbox_parked").Scan(&parked)
-	if parked != 0 {
+	if parked := countParked(); parked != 0 {
 		t.Fatalf("%d parked rows left after replay --all", parked)
 	}
 	if code := run(ctx, []string{"outbox", "sideways"}); code != 2 {

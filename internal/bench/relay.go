@@ -80,7 +80,7 @@ func (s *onceflowSystem) start(ctx context.Context) (func(), error) {
 	}
 	r, err := relay.New(s.pool, sink, relay.Config{Schema: s.schema, Logger: s.e.relayLog()})
 	if err != nil {
-		sink.Close()
+		_ = sink.Close()
 		return nil, err
 	}
 	rctx, cancel := context.WithCancel(ctx)
@@ -91,7 +91,7 @@ func (s *onceflowSystem) start(ctx context.Context) (func(), error) {
 		if err := <-done; err != nil {
 			s.e.log.Error("relay", "err", err)
 		}
-		sink.Close()
+		_ = sink.Close()
 	}, nil
 }
 
@@ -131,7 +131,7 @@ func newForwarderSystem(ctx context.Context, e *env, name string) (*forwarderSys
 }
 
 func (s *forwarderSystem) db() *pgxpool.Pool { return s.pool }
-func (s *forwarderSystem) close()            { s.sub.Close(); s.pool.Close() }
+func (s *forwarderSystem) close()            { _ = s.sub.Close(); s.pool.Close() }
 
 func (s *forwarderSystem) write(ctx context.Context, topic string, msgs []*message.Message) error {
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
@@ -155,7 +155,7 @@ func (s *forwarderSystem) start(ctx context.Context) (func(), error) {
 	}
 	fw, err := forwarder.NewForwarder(s.sub, kpub, watermill.NopLogger{}, forwarder.Config{ForwarderTopic: s.fwTopic})
 	if err != nil {
-		kpub.Close()
+		_ = kpub.Close()
 		return nil, err
 	}
 	done := make(chan error, 1)
@@ -166,9 +166,13 @@ func (s *forwarderSystem) start(ctx context.Context) (func(), error) {
 		return nil, fmt.Errorf("forwarder: %w", err)
 	}
 	return func() {
-		fw.Close()
-		<-done
-		kpub.Close()
+		if err := fw.Close(); err != nil {
+			s.e.log.Error("forwarder close", "err", err)
+		}
+		if err := <-done; err != nil {
+			s.e.log.Error("forwarder", "err", err)
+		}
+		_ = kpub.Close()
 	}, nil
 }
 
@@ -461,12 +465,12 @@ func measureStall(ctx context.Context, e *env, sys relaySystem, name string, tri
 		}
 		opened := time.Now()
 		if _, err := foreign.Exec(ctx, `INSERT INTO bench_unrelated (note) VALUES ('held open')`); err != nil {
-			foreign.Rollback(ctx)
+			_ = foreign.Rollback(ctx)
 			return nil, err
 		}
 		msgs := keyedMessages(trial, 1, 1)
 		if err := sys.write(ctx, topic, msgs); err != nil {
-			foreign.Rollback(ctx)
+			_ = foreign.Rollback(ctx)
 			return nil, err
 		}
 		committed := time.Now()
@@ -501,10 +505,15 @@ func maybeProfile(name string) func() {
 	}
 	if err := pprof.StartCPUProfile(f); err != nil {
 		fmt.Fprintln(os.Stderr, "cpu profile:", err)
-		f.Close()
+		_ = f.Close()
 		return func() {}
 	}
-	return func() { pprof.StopCPUProfile(); f.Close() }
+	return func() {
+		pprof.StopCPUProfile()
+		if err := f.Close(); err != nil {
+			fmt.Fprintln(os.Stderr, "cpu profile:", err)
+		}
+	}
 }
 
 func targetIf(system, target string) string {
