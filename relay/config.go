@@ -204,6 +204,7 @@ type ConfigError struct {
 	Problems []error
 }
 
+// Error lists every problem on one line.
 func (e *ConfigError) Error() string {
 	parts := make([]string, len(e.Problems))
 	for i, p := range e.Problems {
