@@ -32,8 +32,17 @@ const (
 // NopMetrics discards every measurement.
 type NopMetrics struct{}
 
+// Published implements Metrics.
 func (NopMetrics) Published(int, time.Duration) {}
-func (NopMetrics) Failed(string, int)           {}
-func (NopMetrics) Parked(int)                   {}
-func (NopMetrics) OwnedShards(int)              {}
+
+// Failed implements Metrics.
+func (NopMetrics) Failed(string, int) {}
+
+// Parked implements Metrics.
+func (NopMetrics) Parked(int) {}
+
+// OwnedShards implements Metrics.
+func (NopMetrics) OwnedShards(int) {}
+
+// Pending implements Metrics.
 func (NopMetrics) Pending(int64, time.Duration) {}

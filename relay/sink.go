@@ -33,7 +33,10 @@ var ErrHeldBack = errors.New("relay: held back: an earlier message with the same
 // and parks the row after Config.MaxAttempts.
 type PermanentError struct{ Err error }
 
+// Error marks the message as permanent.
 func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+
+// Unwrap returns the broker's error.
 func (e *PermanentError) Unwrap() error { return e.Err }
 
 // Permanent wraps err as a PermanentError (nil stays nil).
@@ -76,6 +79,7 @@ type publisherSink struct {
 	isPermanent func(error) bool
 }
 
+// Publish implements Sink: one Publish call per message, in order.
 func (s *publisherSink) Publish(ctx context.Context, msgs []*Message, errs []error) {
 	failedKeys := map[string]bool{}
 	for i, m := range msgs {
@@ -106,6 +110,7 @@ func (s *publisherSink) Publish(ctx context.Context, msgs []*Message, errs []err
 	}
 }
 
+// Close closes the wrapped publisher.
 func (s *publisherSink) Close() error { return s.pub.Close() }
 
 func defaultIsPermanent(err error) bool {
