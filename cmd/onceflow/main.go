@@ -24,6 +24,7 @@ type command struct {
 // commands is the whole CLI surface, in the order `onceflow -h` prints it.
 var commands = []command{
 	{"migrate", "apply, list or print the schema migrations (up|status|print)", runMigrate},
+	{"cleanup", "delete expired dedup rows in bounded batches (once, or on a schedule)", runCleanup},
 }
 
 func main() {
