@@ -58,7 +58,7 @@ func runCleanup(ctx context.Context, args []string) error {
 		"Deletes expired rows in batches that skip locked rows, so writers are never blocked.\n"+
 		"Runs once by default; with --every or --daily-at it keeps running until SIGTERM.\n\nTables:"+list.String())
 	db := addDBFlags(fs)
-	windowDefault := "72h" // inbox.DefaultRetention
+	windowDefault := strings.TrimSuffix(inbox.DefaultRetention.String(), "0m0s") // "72h"
 	windowText := fs.String("window", envOr("ONCEFLOW_RETENTION_WINDOW", windowDefault),
 		"keep rows younger than this; must exceed the longest redelivery horizon [ONCEFLOW_RETENTION_WINDOW]")
 	allowShort := fs.Bool("allow-short-window", false, "accept a window under 24h (records deleted too early let late redeliveries run again)")
