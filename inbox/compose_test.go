@@ -44,7 +44,7 @@ func TestRecommendedMiddlewareOrder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	router.AddMiddleware(poison, retry.Middleware, middleware.Timeout(time.Second), middleware.Recoverer, f.ib.Middleware)
+	router.AddMiddleware(poison, retry.Middleware, middleware.Timeout(5*time.Second), middleware.Recoverer, f.ib.Middleware)
 
 	var mu sync.Mutex
 	attempts := map[string]int{}
@@ -156,7 +156,7 @@ func TestTimeoutInsideRetryNeedsResetContext(t *testing.T) {
 	for _, reset := range []bool{false, true} {
 		attempts = 0
 		retry := middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond, ResetContextOnRetry: reset}
-		chain := retry.Middleware(middleware.Timeout(200 * time.Millisecond)(f.ib.Middleware(h)))
+		chain := retry.Middleware(middleware.Timeout(2 * time.Second)(f.ib.Middleware(h)))
 		msg := outbox.NewMessage([]byte("x"))
 		_, err := chain(msg)
 		if reset && (err != nil || f.effects(msg.UUID) != 1) {
