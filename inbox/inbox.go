@@ -331,7 +331,8 @@ func (ib *Inbox) writeProduced(ctx context.Context, tx pgx.Tx, produced []*messa
 // ctx (pass msg.Context()). The handler's writes on it commit together with the dedup row, or
 // not at all. It panics when ctx carries no transaction, which means the handler runs without
 // the inbox middleware — a wiring mistake that must not silently write outside it; use
-// outbox.TxFromContext for a checked lookup.
+// outbox.TxFromContext for a checked lookup. Do not commit or roll it back: the middleware
+// does, after writing the handler's returned messages.
 func Tx(ctx context.Context) pgx.Tx {
 	tx, ok := outbox.TxFromContext(ctx)
 	if !ok {

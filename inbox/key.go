@@ -111,6 +111,7 @@ const (
 	DropNoKey
 )
 
+// String returns the policy's name, as used in configuration errors.
 func (p NoKeyPolicy) String() string {
 	switch p {
 	case RejectNoKey:

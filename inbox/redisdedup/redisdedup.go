@@ -151,6 +151,7 @@ const (
 	InProgress
 )
 
+// String returns the outcome's name.
 func (o Outcome) String() string {
 	switch o {
 	case Claimed:
