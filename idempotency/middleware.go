@@ -36,10 +36,12 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/outbox"
@@ -58,11 +60,13 @@ var ErrTxManaged = errors.New("idempotency: the middleware commits or rolls back
 // Middleware makes covered requests that carry an Idempotency-Key run once. It is safe for
 // concurrent use; build one per configuration and wrap as many handlers as needed.
 type Middleware struct {
-	cfg       Config
-	methods   map[string]bool
-	selectSQL string
-	upsertSQL string
-	// afterStore, when set (tests only), runs between storing the record and the commit.
+	cfg        Config
+	methods    map[string]bool
+	selectSQL  string
+	insertSQL  string
+	replaceSQL string
+	// afterStore, when set (tests only), runs between replacing an expired record and the
+	// commit.
 	afterStore func()
 }
 
@@ -80,12 +84,13 @@ func New(cfg Config) (*Middleware, error) {
 	table := pgsql.Table(cfg.Schema, "idempotency_record")
 	// now() is the transaction's start on the database clock: expiry never depends on the
 	// application servers' clocks agreeing.
-	m.selectSQL = `SELECT fingerprint, status, headers, body IS NOT NULL, coalesce(body, '') FROM ` + table +
-		` WHERE owner = $1 AND idem_key = $2 AND expires_at > now()`
-	// Only an expired record may be replaced; with the lock held and no live record seen this
-	// always inserts or replaces, and a zero row count means something broke that invariant.
-	m.upsertSQL = `INSERT INTO ` + table + ` AS r (owner, idem_key, fingerprint, status, headers, body, created_at, expires_at)
-	VALUES ($1, $2, $3, $4, $5, $6, now(), now() + $7 * interval '1 microsecond')
+	m.selectSQL = `SELECT fingerprint, status, headers, body IS NOT NULL, coalesce(body, ''), expires_at > now() FROM ` + table +
+		` WHERE owner = $1 AND idem_key = $2`
+	cols := ` (owner, idem_key, fingerprint, status, headers, body, created_at, expires_at)
+	VALUES ($1, $2, $3, $4, $5, $6, now(), now() + $7 * interval '1 microsecond')`
+	m.insertSQL = `INSERT INTO ` + table + cols
+	// Only an expired record may be replaced: a zero row count means a live one appeared.
+	m.replaceSQL = `INSERT INTO ` + table + ` AS r` + cols + `
 	ON CONFLICT (owner, idem_key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, status = EXCLUDED.status,
 		headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
 	WHERE r.expires_at <= now()`
@@ -124,11 +129,111 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	return tx, ok && tx != nil
 }
 
-// managedTx is the handler's view of the request transaction: everything but ending it.
-type managedTx struct{ pgx.Tx }
+// managedTx is the handler's view of the request transaction: everything but ending it, and
+// nothing at all once the handler has returned (a goroutine that kept it must not write on a
+// connection that is back in the pool).
+type managedTx struct {
+	pgx.Tx
+	guard  *txGuard
+	nested bool // a savepoint from Begin: the handler may commit or roll it back
+}
 
-func (managedTx) Commit(context.Context) error   { return ErrTxManaged }
-func (managedTx) Rollback(context.Context) error { return ErrTxManaged }
+// txGuard closes every view of the request transaction at once.
+type txGuard struct{ closed atomic.Bool }
+
+func (g *txGuard) close() { g.closed.Store(true) }
+
+func (t *managedTx) check() error {
+	if t.guard.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	return nil
+}
+
+func (t *managedTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if err := t.check(); err != nil {
+		return nil, err
+	}
+	sp, err := t.Tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &managedTx{Tx: sp, guard: t.guard, nested: true}, nil
+}
+
+func (t *managedTx) Commit(ctx context.Context) error {
+	if !t.nested {
+		return ErrTxManaged
+	}
+	if err := t.check(); err != nil {
+		return err
+	}
+	return t.Tx.Commit(ctx)
+}
+
+func (t *managedTx) Rollback(ctx context.Context) error {
+	if !t.nested {
+		return ErrTxManaged
+	}
+	if err := t.check(); err != nil {
+		return err
+	}
+	return t.Tx.Rollback(ctx)
+}
+
+func (t *managedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	if err := t.check(); err != nil {
+		return 0, err
+	}
+	return t.Tx.CopyFrom(ctx, table, cols, src)
+}
+
+func (t *managedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if err := t.check(); err != nil {
+		return errBatch{err}
+	}
+	return t.Tx.SendBatch(ctx, b)
+}
+
+func (t *managedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := t.check(); err != nil {
+		return nil, err
+	}
+	return t.Tx.Prepare(ctx, name, sql)
+}
+
+func (t *managedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if err := t.check(); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	return t.Tx.Exec(ctx, sql, args...)
+}
+
+func (t *managedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := t.check(); err != nil {
+		return nil, err
+	}
+	return t.Tx.Query(ctx, sql, args...)
+}
+
+func (t *managedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if err := t.check(); err != nil {
+		return errRow{err}
+	}
+	return t.Tx.QueryRow(ctx, sql, args...)
+}
+
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
+type errBatch struct{ err error }
+
+func (b errBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, b.err }
+func (b errBatch) Query() (pgx.Rows, error)         { return nil, b.err }
+func (b errBatch) QueryRow() pgx.Row                { return errRow(b) }
+func (b errBatch) Close() error                     { return b.err }
+func (b errBatch) Tx() pgx.Tx                       { return nil }
 
 // record is a stored response.
 type record struct {
@@ -137,6 +242,7 @@ type record struct {
 	headers     http.Header
 	hasBody     bool
 	body        []byte
+	live        bool // false: expired, counts as absent
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler, required bool) {
@@ -225,16 +331,25 @@ func readBody(r *http.Request, limit int64) (body []byte, tooLarge bool, err err
 
 func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, start time.Time, owner, key string, fp []byte) {
 	ctx := r.Context()
-	// READ COMMITTED explicitly, whatever the server's default: the record is read by a
-	// statement that starts after the lock was granted, and only at this level does that
-	// statement see a record committed by the lock's previous holder.
-	tx, err := m.cfg.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	pc, err := m.cfg.Pool.Acquire(ctx)
 	if err != nil {
+		m.storageFailure(w, start, "acquire connection", err)
+		return
+	}
+	// Release returns the connection to the pool, or destroys it if a transaction is still
+	// open or aborted on it (a failure path), so nothing leaks into the next request.
+	defer pc.Release()
+
+	// Round trip 1: BEGIN, the key's lock and the key's record, pipelined.
+	tx, held, rec, err := m.claim(ctx, pc, lockID(m.cfg.Schema, owner, key), owner, key)
+	if tx == nil {
 		m.storageFailure(w, start, "begin transaction", err)
 		return
 	}
+	guard := &txGuard{}
 	ended := false
 	rollback := func() {
+		guard.close()
 		if ended {
 			return
 		}
@@ -244,29 +359,30 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		_ = tx.Rollback(rctx) // on failure pgx closes the connection, which rolls back too
 	}
 	defer rollback()
-
-	held, rec, err := m.claim(ctx, tx, lockID(m.cfg.Schema, owner, key), owner, key)
+	if isLockTimeout(err) { // WaitInFlight ran out
+		rollback()
+		m.inFlight(w, start)
+		return
+	}
 	if err != nil {
 		m.storageFailure(w, start, "claim key", err)
 		return
 	}
 	if !held {
 		rollback()
-		m.observe(OutcomeInFlight, start)
-		w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
-		m.writeProblem(w, http.StatusConflict, ProblemInFlight, "A request with this Idempotency-Key is in progress",
-			"The first request with this key has not finished yet. Retry the same request, with the same key, after the Retry-After delay.", nil)
+		m.inFlight(w, start)
 		return
 	}
-	if rec != nil {
+	if rec != nil && rec.live {
 		rollback() // release the lock and the connection before writing to a possibly slow client
 		m.replay(w, start, rec, fp)
 		return
 	}
 
-	// First request: run the handler inside the transaction, holding its response back.
+	// First request (or the first since the record expired): run the handler inside the
+	// transaction, holding its response back.
 	bw := newBufferWriter(w)
-	htx := pgx.Tx(managedTx{tx})
+	htx := pgx.Tx(&managedTx{Tx: tx, guard: guard})
 	hctx := outbox.ContextWithTx(context.WithValue(ctx, ctxKey{}, htx), htx)
 	returned := false
 	defer func() {
@@ -278,6 +394,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	}()
 	next.ServeHTTP(bw, r.WithContext(hctx))
 	returned = true
+	guard.close() // the handler is done with the transaction, whatever it kept a reference to
 	bw.finish()
 
 	if !m.cfg.Store(bw.status) {
@@ -295,79 +412,100 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 			storedBody = []byte{}
 		}
 	}
-	tag, err := tx.Exec(sctx, m.upsertSQL, owner, key, fp, bw.status, m.storedHeaders(bw.header), storedBody, m.cfg.Retention.Microseconds())
-	if err == nil && tag.RowsAffected() != 1 {
-		err = errors.New("a live record appeared while the key was locked")
+	args := []any{owner, key, fp, bw.status, m.storedHeaders(bw.header), storedBody, m.cfg.Retention.Microseconds()}
+	if rec == nil {
+		// Second (and last) round trip of our own: insert and commit, pipelined. Should the insert fail (a record written
+		// without the lock: unique violation), PostgreSQL skips the COMMIT and the deferred
+		// rollback undoes everything.
+		b := &pgx.Batch{}
+		b.Queue(m.insertSQL, args...)
+		b.Queue("commit")
+		err = tx.SendBatch(sctx, b).Close()
+	} else {
+		// Replacing an expired record: the cleaner may delete it meanwhile (it does not take
+		// the lock), hence the upsert, and its row count is checked before committing.
+		var tag pgconn.CommandTag
+		if tag, err = tx.Exec(sctx, m.replaceSQL, args...); err == nil && tag.RowsAffected() != 1 {
+			err = errors.New("a live record appeared while the key was locked (was it written without the middleware?)")
+		}
+		if err == nil && m.afterStore != nil {
+			m.afterStore()
+		}
+		if err == nil {
+			err = tx.Commit(sctx)
+		}
 	}
 	if err != nil {
+		// The commit may or may not have happened (a lost connection); either way a retry with
+		// the same key is safe: it replays the stored response or runs afresh.
 		m.storageFailure(w, start, "store response", err)
 		return
 	}
-	if m.afterStore != nil {
-		m.afterStore()
-	}
 	ended = true
-	if err := tx.Commit(sctx); err != nil {
-		// The commit may or may not have happened; either way a retry with the same key is
-		// safe: it replays the stored response or runs afresh.
-		m.storageFailure(w, start, "commit", err)
-		return
-	}
 	m.observe(OutcomeStored, start)
 	m.send(w, bw.status, bw.header, bw.body.Bytes(), true)
 }
 
-// claim takes the key's transaction-scoped advisory lock and then reads the key's live
-// record. held is false when another transaction holds the lock.
+// claim opens the request transaction, takes the key's transaction-scoped advisory lock and
+// reads the key's record (live or expired; rec is nil when there is none), all in one round
+// trip. held is false when another transaction holds the lock. tx is nil only when the
+// transaction could not be begun; otherwise the caller must end it, even when err is set.
 //
-// The lock and the read are two statements, pipelined in one round trip: in READ COMMITTED
-// each statement takes its snapshot when it starts, so the read sees whatever the lock's
-// previous holder committed. (One statement would take its snapshot before the lock is
-// granted and could miss that record.)
-func (m *Middleware) claim(ctx context.Context, tx pgx.Tx, lock int64, owner, key string) (held bool, rec *record, err error) {
+// The lock dies with the transaction or the connection, so a crashed server leaves no lock
+// behind. READ COMMITTED explicitly, whatever the server's default: the record is read by a
+// statement that takes its snapshot after the lock statement finished, so it sees anything
+// the lock's previous holder committed. (In one statement, or at REPEATABLE READ, the
+// snapshot would predate the lock and could miss that record.)
+func (m *Middleware) claim(ctx context.Context, pc *pgxpool.Conn, lock int64, owner, key string) (tx pgx.Tx, held bool, rec *record, err error) {
 	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if m.cfg.WaitInFlight > 0 {
-		// Wait for the holder with lock_timeout, so the waiter wakes the moment the first
-		// request commits or rolls back. SET LOCAL scope: the setting is restored below
-		// before the handler runs and dies with the transaction anyway.
+		// Wait for the holder under lock_timeout, so the waiter wakes the moment the first
+		// request ends (timing out raises 55P03); then put the caller's lock_timeout back for
+		// the handler, by way of a transaction-local custom setting.
 		ms := max(m.cfg.WaitInFlight.Milliseconds(), 1) // 0 would mean "wait forever"
-		var prev string
-		b.Queue(`SELECT current_setting('lock_timeout')`).QueryRow(func(row pgx.Row) error { return row.Scan(&prev) })
+		b.Queue(`SELECT set_config('onceflow.lock_timeout', current_setting('lock_timeout'), true)`)
 		b.Queue(`SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(ms, 10)+"ms")
 		b.Queue(`SELECT pg_advisory_xact_lock($1)`, lock)
-		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			var pgErr *pgconn.PgError
-			if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
-				return false, nil, nil
-			}
-			return false, nil, err
-		}
+		b.Queue(`SELECT set_config('lock_timeout', current_setting('onceflow.lock_timeout'), true)`)
 		held = true
-		b = &pgx.Batch{}
-		b.Queue(`SELECT set_config('lock_timeout', $1, true)`, prev)
 	} else {
 		b.Queue(`SELECT pg_try_advisory_xact_lock($1)`, lock).QueryRow(func(row pgx.Row) error { return row.Scan(&held) })
 	}
-	var r record
-	var headers map[string][]string
-	found := false
 	b.Queue(m.selectSQL, owner, key).Query(func(rows pgx.Rows) error {
 		for rows.Next() {
-			found = true
-			if err := rows.Scan(&r.fingerprint, &r.status, &headers, &r.hasBody, &r.body); err != nil {
+			var r record
+			var headers map[string][]string
+			if err := rows.Scan(&r.fingerprint, &r.status, &headers, &r.hasBody, &r.body, &r.live); err != nil {
 				return err
 			}
+			r.headers = headers
+			rec = &r
 		}
 		return rows.Err()
 	})
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return false, nil, err
+	br := pc.SendBatch(ctx, b)
+	tx = br.Tx()
+	err = br.Close()
+	if err != nil {
+		if errors.Is(err, pgx.ErrTxClosed) || pc.Conn().PgConn().TxStatus() == 'I' {
+			return nil, false, nil, err // BEGIN itself failed: no transaction to end
+		}
+		return tx, false, nil, err
 	}
-	if !held || !found {
-		return held, nil, nil
-	}
-	r.headers = headers
-	return true, &r, nil
+	return tx, held, rec, nil
+}
+
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03" // lock_not_available
+}
+
+func (m *Middleware) inFlight(w http.ResponseWriter, start time.Time) {
+	m.observe(OutcomeInFlight, start)
+	w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
+	m.writeProblem(w, http.StatusConflict, ProblemInFlight, "A request with this Idempotency-Key is in progress",
+		"The first request with this key has not finished yet. Retry the same request, with the same key, after the Retry-After delay.", nil)
 }
 
 // replay answers from a stored record.

@@ -140,7 +140,10 @@ func (f *fixture) try(method, path, user, key, body string, extra ...string) (re
 	for i := 0; i+1 < len(extra); i += 2 {
 		req.Header.Add(extra[i], extra[i+1])
 	}
-	res, err := f.srv.Client().Do(req)
+	// A bounded wait: a request that should have been refused but runs a blocked handler
+	// fails the test instead of hanging it.
+	client := &http.Client{Transport: f.srv.Client().Transport, Timeout: time.Minute}
+	res, err := client.Do(req)
 	if err != nil {
 		return response{}, err
 	}
@@ -456,7 +459,11 @@ func TestConcurrentIdenticalRequestsRunOnce(t *testing.T) {
 			} else if wait == 0 {
 				// Let part of the crowd be refused while the first is running; the rest race
 				// with its commit and get a 409 or a replay.
+				deadline := time.Now().Add(60 * time.Second)
 				for len(results) < n/2 {
+					if time.Now().After(deadline) {
+						t.Fatalf("only %d of %d requests were answered while the first was running; the others are stuck, in the handler?", len(results), n)
+					}
 					time.Sleep(5 * time.Millisecond)
 				}
 			} else {
@@ -886,10 +893,12 @@ func TestCanonicalJSONOption(t *testing.T) {
 
 func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	t.Parallel()
+	leakedc := make(chan pgx.Tx, 1)
 	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
 		inner := orderHandler(runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			tx := idempotency.Tx(r.Context())
+			leakedc <- tx
 			if err := tx.Commit(r.Context()); !errors.Is(err, idempotency.ErrTxManaged) {
 				t.Errorf("Commit = %v; want ErrTxManaged", err)
 			}
@@ -912,6 +921,46 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	}
 	if f.orders(t) != 2 || f.records(t) != 1 {
 		t.Fatalf("orders=%d records=%d; want 2, 1", f.orders(t), f.records(t))
+	}
+	// A reference kept past the handler's return cannot reach the pooled connection.
+	leaked := <-leakedc
+	if _, err := leaked.Exec(context.Background(), `INSERT INTO orders (owner, item) VALUES ('alice', 'late')`); !errors.Is(err, pgx.ErrTxClosed) {
+		t.Fatalf("Exec on a leaked transaction = %v; want ErrTxClosed", err)
+	}
+	if err := leaked.QueryRow(context.Background(), `SELECT 1`).Scan(new(int)); !errors.Is(err, pgx.ErrTxClosed) {
+		t.Fatalf("QueryRow on a leaked transaction = %v; want ErrTxClosed", err)
+	}
+	if f.orders(t) != 2 {
+		t.Fatal("a leaked transaction wrote after the request")
+	}
+}
+
+// When storing the record fails, the business writes must not commit: here a rogue writer
+// (the handler itself) puts a record for the key in place, so the middleware's insert hits a
+// unique violation and the pipelined COMMIT must not run.
+func TestStoreFailureRollsBackEverything(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idempotency.Config{RetryAfter: 3 * time.Second}, func(runs *atomic.Int64) http.Handler {
+		inner := orderHandler(runs)
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, expires_at)
+				VALUES ('alice', 'k', '\x00', 200, now() + interval '1 hour')`)
+			if err != nil {
+				t.Error(err)
+			}
+			inner(w, r)
+		})
+	})
+	r := f.send(t, "POST", "/orders", "alice", `"k"`, "book")
+	wantProblem(t, r, http.StatusServiceUnavailable, idempotency.ProblemStorage)
+	if r.header.Get("Retry-After") != "3" || r.header.Get("Location") != "" || r.header.Get("Set-Cookie") != "" {
+		t.Fatalf("503 headers: %v", r.header)
+	}
+	if f.orders(t) != 0 || f.records(t) != 0 {
+		t.Fatalf("after a failed store: %d orders, %d records; want none", f.orders(t), f.records(t))
+	}
+	if f.runs.Load() != 1 {
+		t.Fatalf("handler ran %d times", f.runs.Load())
 	}
 }
 

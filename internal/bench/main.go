@@ -81,6 +81,7 @@ type scenario struct {
 // scenarios lists every benchmark in the order they run and print.
 var scenarios = []scenario{
 	{"outbox_write", benchOutboxWrite},
+	{"http", benchHTTP},
 }
 
 func main() {
