@@ -1032,3 +1032,48 @@ func TestMetricsOutcomes(t *testing.T) {
 		t.Fatalf("outcomes %v; want %v", m.n, want)
 	}
 }
+
+func TestWaitInFlightLeavesLockTimeoutAlone(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idempotency.Config{WaitInFlight: time.Minute}, func(runs *atomic.Int64) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			var v string
+			if err := idempotency.Tx(r.Context()).QueryRow(r.Context(), `SELECT current_setting('lock_timeout')`).Scan(&v); err != nil {
+				t.Error(err)
+			}
+			io.WriteString(w, v)
+		})
+	})
+	var session string
+	if err := f.db.Pool.QueryRow(context.Background(), `SELECT current_setting('lock_timeout')`).Scan(&session); err != nil {
+		t.Fatal(err)
+	}
+	if r := f.send(t, "POST", "/x", "alice", `"k"`, ""); string(r.body) != session {
+		t.Fatalf("the handler saw lock_timeout %q; the session has %q", r.body, session)
+	}
+}
+
+func TestImplicitStatusAndSniffedTypeReplayAlike(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			if r.URL.Path == "/html" {
+				io.WriteString(w, "<html><body>done</body></html>") // no WriteHeader, no Content-Type
+			} // "/empty": writes nothing at all
+		})
+	})
+	for _, path := range []string{"/html", "/empty"} {
+		first := f.send(t, "POST", path, "alice", `"`+path+`"`, "")
+		again := f.send(t, "POST", path, "alice", `"`+path+`"`, "")
+		if first.status != http.StatusOK || again.status != http.StatusOK || !again.replayed() || !bytes.Equal(first.body, again.body) ||
+			first.header.Get("Content-Type") != again.header.Get("Content-Type") {
+			t.Fatalf("%s: first %d %q %q, replay %d %q %q", path, first.status, first.header.Get("Content-Type"), first.body,
+				again.status, again.header.Get("Content-Type"), again.body)
+		}
+	}
+	if f.runs.Load() != 2 {
+		t.Fatalf("handler ran %d times; want 2", f.runs.Load())
+	}
+}
