@@ -22,7 +22,7 @@
 //	}
 //
 // The middleware is a plain func(http.Handler) http.Handler (Handler and Require), so chi,
-// echo (echo.WrapMiddleware) and gin (through an http.Handler adapter) use it as is. The
+// echo (echo.WrapMiddleware) and gin (gin.WrapH) use it as is. The
 // contract it gives clients is published in docs/http-idempotency.md.
 package idempotency
 
