@@ -82,6 +82,7 @@ type scenario struct {
 var scenarios = []scenario{
 	{"outbox_write", benchOutboxWrite},
 	{"inbox", benchInbox},
+	{"http", benchHTTP},
 }
 
 func main() {
