@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/retention"
 )
@@ -34,7 +35,16 @@ type cleanupOptions struct {
 }
 
 var cleaners = []cleaner{
-	{"processed_event", "inbox dedup rows older than the window", cleanProcessedEvents},
+	{"processed_event", "inbox dedup rows older than --window", cleanProcessedEvents},
+	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Retention)", cleanIdempotencyRecords},
+}
+
+func cleanIdempotencyRecords(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
+	c, err := idempotency.NewCleaner(idempotency.CleanerConfig{Pool: pool, Schema: o.schema, BatchSize: o.batchSize, Logger: o.logger})
+	if err != nil {
+		return 0, err
+	}
+	return c.RunOnce(ctx)
 }
 
 func cleanProcessedEvents(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
@@ -139,7 +149,7 @@ func runCleanup(ctx context.Context, args []string) error {
 				errs = append(errs, fmt.Errorf("%s: %w", c.name, err))
 				continue
 			}
-			fmt.Printf("%s: deleted %d rows older than %s in %s\n", c.name, n, window, time.Since(start).Round(time.Millisecond))
+			fmt.Printf("%s: deleted %d expired rows in %s\n", c.name, n, time.Since(start).Round(time.Millisecond))
 		}
 		return total, errors.Join(errs...)
 	}

@@ -91,3 +91,28 @@ func TestCleanupCommand(t *testing.T) {
 		t.Fatalf("scheduled cleanup exited %d after cancel", code)
 	}
 }
+
+func TestCleanupIdempotencyRecords(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, expires_at)
+		SELECT 'u', 'k' || g, '\x00', 201, now() + CASE WHEN g <= 7 THEN interval '-1 minute' ELSE interval '1 hour' END
+		FROM generate_series(1, 10) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO processed_event (consumer, dedup_key, processed_at) VALUES ('c', 'old', now() - interval '100 hours')`); err != nil {
+		t.Fatal(err)
+	}
+	code := run(ctx, []string{"cleanup", "--database-url", db.URL, "--schema", db.Schema, "--only", "idempotency_record", "--batch-size", "3"})
+	if code != 0 {
+		t.Fatalf("cleanup exited %d", code)
+	}
+	var expired, live, processed int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE expires_at <= now()), count(*) FILTER (WHERE expires_at > now()),
+		(SELECT count(*) FROM processed_event) FROM idempotency_record`).Scan(&expired, &live, &processed); err != nil {
+		t.Fatal(err)
+	}
+	if expired != 0 || live != 3 || processed != 1 {
+		t.Fatalf("after cleanup: %d expired, %d live records, %d processed_event rows; want 0, 3, 1 (--only respected)", expired, live, processed)
+	}
+}
