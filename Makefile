@@ -23,3 +23,7 @@ bench:
 ## build: the onceflow binary into ./bin
 build:
 	$(GO) build -o bin/onceflow ./cmd/onceflow
+
+## demo: producers → outbox → `onceflow relay` (killed and restarted) → Kafka → inbox consumer, then checks the invariants
+demo: build
+	$(GO) run ./examples/demo -onceflow bin/onceflow

@@ -26,6 +26,7 @@ var commands = []command{
 	{"migrate", "apply, list or print the schema migrations (up|status|print)", runMigrate},
 	{"relay", "publish the outbox to Kafka (run one or more)", runRelay},
 	{"outbox", "inspect pending rows, list parked rows, replay them (inspect|parked|replay)", runOutbox},
+	{"cleanup", "delete expired dedup rows in bounded batches (once, or on a schedule)", runCleanup},
 }
 
 func main() {

@@ -84,6 +84,8 @@ var scenarios = []scenario{
 	{"drain", benchDrain},
 	{"latency", benchLatency},
 	{"stall", benchStall},
+	{"inbox", benchInbox},
+	{"http", benchHTTP},
 }
 
 func main() {

@@ -1,0 +1,165 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/retention"
+)
+
+// cleaner is one table `onceflow cleanup` keeps bounded. Add a line to cleaners for another
+// table; each runs in list order with the shared options.
+type cleaner struct {
+	name    string // the table, and the value --only accepts
+	summary string
+	clean   func(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error)
+}
+
+// cleanupOptions are the flags every cleaner receives.
+type cleanupOptions struct {
+	schema     string
+	window     time.Duration
+	allowShort bool
+	batchSize  int
+	logger     *slog.Logger
+}
+
+var cleaners = []cleaner{
+	{"processed_event", "inbox dedup rows older than --window", cleanProcessedEvents},
+	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Retention)", cleanIdempotencyRecords},
+}
+
+func cleanIdempotencyRecords(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
+	c, err := idempotency.NewCleaner(idempotency.CleanerConfig{Pool: pool, Schema: o.schema, BatchSize: o.batchSize, Logger: o.logger})
+	if err != nil {
+		return 0, err
+	}
+	return c.RunOnce(ctx)
+}
+
+func cleanProcessedEvents(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
+	c, err := inbox.NewCleaner(inbox.CleanerConfig{
+		DB: pool, Schema: o.schema, Window: o.window, AllowShortWindow: o.allowShort, BatchSize: o.batchSize, Logger: o.logger,
+	})
+	if err != nil {
+		return 0, err
+	}
+	return c.Clean(ctx)
+}
+
+func runCleanup(ctx context.Context, args []string) error {
+	names := make([]string, len(cleaners))
+	var list strings.Builder
+	for i, c := range cleaners {
+		names[i] = c.name
+		fmt.Fprintf(&list, "\n  %-16s %s", c.name, c.summary)
+	}
+	fs := newFlagSet("cleanup", "cleanup [flags]\n\n"+
+		"Deletes expired rows in batches that skip locked rows, so writers are never blocked.\n"+
+		"Runs once by default; with --every or --daily-at it keeps running until SIGTERM.\n\nTables:"+list.String())
+	db := addDBFlags(fs)
+	windowDefault := strings.TrimSuffix(inbox.DefaultRetention.String(), "0m0s") // "72h"
+	windowText := fs.String("window", envOr("ONCEFLOW_RETENTION_WINDOW", windowDefault),
+		"keep rows younger than this; must exceed the longest redelivery horizon [ONCEFLOW_RETENTION_WINDOW]")
+	allowShort := fs.Bool("allow-short-window", false, "accept a window under 24h (records deleted too early let late redeliveries run again)")
+	batchSize := fs.Int("batch-size", inbox.DefaultCleanBatch, "rows deleted (and locked) per statement")
+	only := fs.String("only", "", "comma-separated tables to clean (default: all): "+strings.Join(names, ", "))
+	every := fs.Duration("every", 0, "keep running and clean at this interval, e.g. 1h")
+	dailyAt := fs.String("daily-at", "", "keep running and clean once a day at this UTC time, e.g. 03:00")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "onceflow cleanup: unexpected arguments %q\n", fs.Args())
+		fs.Usage()
+		return errUsage
+	}
+
+	// Validate everything before connecting: bad input changes nothing.
+	var problems []error
+	window, err := time.ParseDuration(*windowText)
+	if err != nil {
+		problems = append(problems, fmt.Errorf("--window %q is not a duration (e.g. 72h)", *windowText))
+	} else if err := retention.CheckWindow("--window", window, *allowShort); err != nil {
+		problems = append(problems, fmt.Errorf("%w (--allow-short-window)", err))
+	}
+	if *batchSize <= 0 {
+		problems = append(problems, fmt.Errorf("--batch-size is %d; it must be positive", *batchSize))
+	}
+	selected := cleaners
+	if *only != "" {
+		selected = nil
+		for _, name := range strings.Split(*only, ",") {
+			i := slices.IndexFunc(cleaners, func(c cleaner) bool { return c.name == strings.TrimSpace(name) })
+			if i < 0 {
+				problems = append(problems, fmt.Errorf("--only: unknown table %q; known: %s", name, strings.Join(names, ", ")))
+				continue
+			}
+			selected = append(selected, cleaners[i])
+		}
+	}
+	var schedule retention.Schedule
+	switch {
+	case *every < 0:
+		problems = append(problems, fmt.Errorf("--every is %s; it must be positive", *every))
+	case *every > 0 && *dailyAt != "":
+		problems = append(problems, errors.New("--every and --daily-at both given; choose one"))
+	case *every > 0:
+		schedule = retention.Every(*every)
+	case *dailyAt != "":
+		at, err := time.Parse("15:04", *dailyAt)
+		if err != nil {
+			problems = append(problems, fmt.Errorf("--daily-at %q is not a UTC time of day like 03:00", *dailyAt))
+		} else {
+			schedule = retention.DailyAt(time.Duration(at.Hour())*time.Hour + time.Duration(at.Minute())*time.Minute)
+		}
+	}
+	if err := db.validate(); err != nil {
+		problems = append(problems, err)
+	}
+	if err := errors.Join(problems...); err != nil {
+		return err
+	}
+
+	pool, err := db.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	opts := cleanupOptions{schema: db.schema, window: window, allowShort: *allowShort, batchSize: *batchSize, logger: logger}
+	cleanAll := func(ctx context.Context) (int64, error) {
+		var total int64
+		var errs []error
+		for _, c := range selected {
+			start := time.Now()
+			n, err := c.clean(ctx, pool, opts)
+			total += n
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", c.name, err))
+				continue
+			}
+			fmt.Printf("%s: deleted %d expired rows in %s\n", c.name, n, time.Since(start).Round(time.Millisecond))
+		}
+		return total, errors.Join(errs...)
+	}
+	if schedule == nil {
+		_, err := cleanAll(ctx)
+		return err
+	}
+	err = retention.Run(ctx, schedule, logger, cleanAll)
+	if errors.Is(err, context.Canceled) {
+		return nil // stopped by SIGTERM or Ctrl-C: a normal end for a scheduled cleaner
+	}
+	return err
+}

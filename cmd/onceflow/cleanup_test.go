@@ -1,0 +1,118 @@
+package main
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/onceflow/onceflow/internal/testdb"
+)
+
+func TestCleanupCommand(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.New(t)
+	insert := func(n int, age time.Duration, tag string) {
+		t.Helper()
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO processed_event (consumer, dedup_key, processed_at)
+			SELECT 'c', $3 || g, now() - make_interval(secs => $2) FROM generate_series(1, $1) g`, n, age.Seconds(), tag); err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := func() (old, young int) {
+		t.Helper()
+		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE processed_at < now() - interval '72 hours'),
+			count(*) FILTER (WHERE processed_at >= now() - interval '72 hours') FROM processed_event`).Scan(&old, &young); err != nil {
+			t.Fatal(err)
+		}
+		return old, young
+	}
+	insert(25, 80*time.Hour, "old-")
+	insert(5, 2*time.Hour, "young-")
+	base := []string{"cleanup", "--database-url", db.URL, "--schema", db.Schema}
+
+	// Refused input changes nothing.
+	for _, bad := range [][]string{
+		{"--window", "1h"},
+		{"--window", "soon"},
+		{"--only", "nope"},
+		{"--every", "1h", "--daily-at", "03:00"},
+		{"--daily-at", "25:00"},
+		{"--batch-size", "0"},
+	} {
+		if code := run(ctx, append(append([]string{}, base...), bad...)); code != 1 {
+			t.Errorf("%v exited %d, want 1", bad, code)
+		}
+	}
+	if code := run(ctx, append(append([]string{}, base...), "extra")); code != 2 {
+		t.Errorf("extra argument exited %d, want 2", code)
+	}
+	if old, young := count(); old != 25 || young != 5 {
+		t.Fatalf("refused runs deleted rows: %d old, %d young left", old, young)
+	}
+
+	// The default 72h window removes only the expired rows.
+	if code := run(ctx, append(append([]string{}, base...), "--batch-size", "10", "--only", "processed_event")); code != 0 {
+		t.Fatalf("cleanup exited %d", code)
+	}
+	if old, young := count(); old != 0 || young != 5 {
+		t.Fatalf("after cleanup: %d old, %d young rows; want 0 and 5", old, young)
+	}
+	// A short window needs the explicit override.
+	if code := run(ctx, append(append([]string{}, base...), "--window", "1h", "--allow-short-window")); code != 0 {
+		t.Fatalf("short window with override exited %d", code)
+	}
+	if _, young := count(); young != 0 {
+		t.Fatalf("%d rows older than 1h survived", young)
+	}
+
+	// Scheduled mode keeps running until the context ends, then exits cleanly.
+	insert(3, 2*time.Hour, "later-")
+	sctx, cancel := context.WithCancel(ctx)
+	done := make(chan int, 1)
+	go func() {
+		done <- run(sctx, append(append([]string{}, base...), "--window", "1h", "--allow-short-window", "--every", "20ms"))
+	}()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		var n int
+		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM processed_event`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("scheduled cleanup did not run")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	cancel()
+	if code := <-done; code != 0 {
+		t.Fatalf("scheduled cleanup exited %d after cancel", code)
+	}
+}
+
+func TestCleanupIdempotencyRecords(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, expires_at)
+		SELECT 'u', 'k' || g, '\x00', 201, now() + CASE WHEN g <= 7 THEN interval '-1 minute' ELSE interval '1 hour' END
+		FROM generate_series(1, 10) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO processed_event (consumer, dedup_key, processed_at) VALUES ('c', 'old', now() - interval '100 hours')`); err != nil {
+		t.Fatal(err)
+	}
+	code := run(ctx, []string{"cleanup", "--database-url", db.URL, "--schema", db.Schema, "--only", "idempotency_record", "--batch-size", "3"})
+	if code != 0 {
+		t.Fatalf("cleanup exited %d", code)
+	}
+	var expired, live, processed int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE expires_at <= now()), count(*) FILTER (WHERE expires_at > now()),
+		(SELECT count(*) FROM processed_event) FROM idempotency_record`).Scan(&expired, &live, &processed); err != nil {
+		t.Fatal(err)
+	}
+	if expired != 0 || live != 3 || processed != 1 {
+		t.Fatalf("after cleanup: %d expired, %d live records, %d processed_event rows; want 0, 3, 1 (--only respected)", expired, live, processed)
+	}
+}

@@ -1,0 +1,583 @@
+// Package idempotency is net/http middleware for the Idempotency-Key header
+// (draft-ietf-httpapi-idempotency-key-header): a client that retries a POST or PATCH with the
+// same key gets the first response again, and the handler runs once.
+//
+// The first request with a key runs in one PostgreSQL transaction that holds a lock on
+// (owner, key), carries the handler's own writes (Tx returns it; outbox.TxFromContext does
+// too, so domain events published from the handler land in the same transaction) and stores
+// the response. The response is sent only after that transaction commits, so a response a
+// client saw is always replayable, and a handler whose response is not stored (5xx, panic)
+// leaves no trace: its writes roll back with it.
+//
+//	mw, err := idempotency.New(idempotency.Config{
+//		Pool:  pool,
+//		Owner: func(r *http.Request) (string, error) { return auth.UserID(r.Context()) },
+//	})
+//	mux.Handle("POST /orders", mw.Require(http.HandlerFunc(createOrder)))
+//
+//	func createOrder(w http.ResponseWriter, r *http.Request) {
+//		tx := idempotency.Tx(r.Context())
+//		_, err := tx.Exec(r.Context(), `INSERT INTO orders ...`)
+//		...
+//	}
+//
+// The middleware is a plain func(http.Handler) http.Handler (Handler and Require), so chi,
+// echo (echo.WrapMiddleware) and gin (gin.WrapH) use it as is. The
+// contract it gives clients is published in docs/http-idempotency.md.
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// storeTimeout bounds storing the record and committing once the handler has returned. The
+// request's own context is not used for that step: a client that hung up after the handler
+// finished should still find the result stored when it retries.
+const storeTimeout = 30 * time.Second
+
+// ErrTxManaged is returned by Commit and Rollback on the transaction handed to a handler: the
+// middleware commits it after storing the response, or rolls it back when the response is not
+// stored. To abort, return a status that Config.Store does not store (any 5xx by default).
+var ErrTxManaged = errors.New("idempotency: the middleware commits or rolls back this transaction itself; to abort the handler's writes, respond with a status that is not stored (e.g. 5xx)")
+
+// Middleware makes covered requests that carry an Idempotency-Key run once. It is safe for
+// concurrent use; build one per configuration and wrap as many handlers as needed.
+type Middleware struct {
+	cfg        Config
+	methods    map[string]bool
+	selectSQL  string
+	insertSQL  string
+	replaceSQL string
+	// afterStore, when set (tests only), runs between replacing an expired record and the
+	// commit.
+	afterStore func()
+}
+
+// New validates cfg, reporting every problem at once, and returns the middleware. It refuses
+// a config without Pool or Owner.
+func New(cfg Config) (*Middleware, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	m := &Middleware{cfg: cfg, methods: map[string]bool{}}
+	for _, method := range cfg.Methods {
+		m.methods[method] = true
+	}
+	table := pgsql.Table(cfg.Schema, "idempotency_record")
+	// now() is the transaction's start on the database clock: expiry never depends on the
+	// application servers' clocks agreeing.
+	m.selectSQL = `SELECT fingerprint, status, headers, body IS NOT NULL, coalesce(body, ''), expires_at > now() FROM ` + table +
+		` WHERE owner = $1 AND idem_key = $2`
+	cols := ` (owner, idem_key, fingerprint, status, headers, body, created_at, expires_at)
+	VALUES ($1, $2, $3, $4, $5, $6, now(), now() + $7 * interval '1 microsecond')`
+	m.insertSQL = `INSERT INTO ` + table + cols
+	// Only an expired record may be replaced: a zero row count means a live one appeared.
+	m.replaceSQL = `INSERT INTO ` + table + ` AS r` + cols + `
+	ON CONFLICT (owner, idem_key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, status = EXCLUDED.status,
+		headers = EXCLUDED.headers, body = EXCLUDED.body, created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
+	WHERE r.expires_at <= now()`
+	return m, nil
+}
+
+// Config returns the configuration with defaults filled in.
+func (m *Middleware) Config() Config { return m.cfg }
+
+// Handler wraps next. Covered requests (Config.Methods) with a key run once; covered requests
+// without one get 400 when Config.Required is set and pass through otherwise.
+func (m *Middleware) Handler(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(w, r, next, m.cfg.Required) })
+}
+
+// Require is Handler with the key mandatory on this route, whatever Config.Required says.
+func (m *Middleware) Require(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(w, r, next, true) })
+}
+
+type ctxKey struct{}
+
+// Tx returns the transaction the middleware opened for the request being handled, or nil when
+// the request runs without one (method not covered, or no key on an optional route). Use it
+// for every write that must happen at most once: it commits together with the stored
+// response. Commit and Rollback on it return ErrTxManaged.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := TxFromContext(ctx)
+	return tx
+}
+
+// TxFromContext is Tx with an explicit found flag, for handlers that also serve requests
+// without a key and then open their own transaction.
+func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
+	tx, ok := ctx.Value(ctxKey{}).(pgx.Tx)
+	return tx, ok && tx != nil
+}
+
+// managedTx is the handler's view of the request transaction: everything but ending it, and
+// nothing at all once the handler has returned (a goroutine that kept it must not write on a
+// connection that is back in the pool).
+type managedTx struct {
+	pgx.Tx
+	guard  *txGuard
+	nested bool // a savepoint from Begin: the handler may commit or roll it back
+}
+
+// txGuard closes every view of the request transaction at once.
+type txGuard struct{ closed atomic.Bool }
+
+func (g *txGuard) close() { g.closed.Store(true) }
+
+func (t *managedTx) check() error {
+	if t.guard.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	return nil
+}
+
+func (t *managedTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if err := t.check(); err != nil {
+		return nil, err
+	}
+	sp, err := t.Tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &managedTx{Tx: sp, guard: t.guard, nested: true}, nil
+}
+
+func (t *managedTx) Commit(ctx context.Context) error {
+	if !t.nested {
+		return ErrTxManaged
+	}
+	if err := t.check(); err != nil {
+		return err
+	}
+	return t.Tx.Commit(ctx)
+}
+
+func (t *managedTx) Rollback(ctx context.Context) error {
+	if !t.nested {
+		return ErrTxManaged
+	}
+	if err := t.check(); err != nil {
+		return err
+	}
+	return t.Tx.Rollback(ctx)
+}
+
+func (t *managedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	if err := t.check(); err != nil {
+		return 0, err
+	}
+	return t.Tx.CopyFrom(ctx, table, cols, src)
+}
+
+func (t *managedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if err := t.check(); err != nil {
+		return errBatch{err}
+	}
+	return t.Tx.SendBatch(ctx, b)
+}
+
+func (t *managedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := t.check(); err != nil {
+		return nil, err
+	}
+	return t.Tx.Prepare(ctx, name, sql)
+}
+
+func (t *managedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if err := t.check(); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	return t.Tx.Exec(ctx, sql, args...)
+}
+
+func (t *managedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := t.check(); err != nil {
+		return nil, err
+	}
+	return t.Tx.Query(ctx, sql, args...)
+}
+
+func (t *managedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if err := t.check(); err != nil {
+		return errRow{err}
+	}
+	return t.Tx.QueryRow(ctx, sql, args...)
+}
+
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
+type errBatch struct{ err error }
+
+func (b errBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, b.err }
+func (b errBatch) Query() (pgx.Rows, error)         { return nil, b.err }
+func (b errBatch) QueryRow() pgx.Row                { return errRow(b) }
+func (b errBatch) Close() error                     { return b.err }
+func (b errBatch) Tx() pgx.Tx                       { return nil }
+
+// record is a stored response.
+type record struct {
+	fingerprint []byte
+	status      int
+	headers     http.Header
+	hasBody     bool
+	body        []byte
+	live        bool // false: expired, counts as absent
+}
+
+func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler, required bool) {
+	if !m.methods[r.Method] {
+		next.ServeHTTP(w, r)
+		return
+	}
+	start := time.Now()
+	values := r.Header.Values(HeaderKey)
+	switch {
+	case len(values) == 0 && !required:
+		next.ServeHTTP(w, r)
+		return
+	case len(values) == 0:
+		m.observe(OutcomeRejected, start)
+		m.writeProblem(w, http.StatusBadRequest, ProblemKeyMissing, "Idempotency-Key is missing",
+			"This operation requires an Idempotency-Key header: send a unique value, e.g. a random UUID as a quoted string, and reuse it only to retry this same request.", nil)
+		return
+	case len(values) > 1:
+		m.observe(OutcomeRejected, start)
+		m.writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid",
+			fmt.Sprintf("The request has %d Idempotency-Key header lines; send exactly one.", len(values)), nil)
+		return
+	}
+	key, err := ParseKey(values[0])
+	if err != nil {
+		m.observe(OutcomeRejected, start)
+		m.writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid",
+			err.Error()+". Send one quoted string of 1 to 255 printable ASCII characters, e.g. a random UUID.", nil)
+		return
+	}
+	owner, err := m.cfg.Owner(r)
+	if err == nil && owner == "" {
+		err = fmt.Errorf("%w: Owner returned an empty owner", ErrNoOwner)
+	}
+	if err != nil {
+		m.observe(OutcomeRejected, start)
+		if errors.Is(err, ErrNoOwner) {
+			m.writeProblem(w, http.StatusUnauthorized, ProblemNoOwner, "Request owner unknown",
+				"Idempotency keys are scoped to the authenticated caller; authenticate and retry with the same key.", nil)
+			return
+		}
+		m.cfg.Logger.Error("idempotency: Owner failed", "err", err, "method", r.Method, "path", r.URL.Path)
+		m.writeProblem(w, http.StatusInternalServerError, "", "Internal Server Error",
+			"The owner of the request could not be determined. Nothing was executed; retry with the same key.", nil)
+		return
+	}
+	body, tooLarge, err := readBody(r, m.cfg.MaxBodyBytes)
+	if tooLarge {
+		m.observe(OutcomeRejected, start)
+		m.writeProblem(w, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge, "Request body too large",
+			fmt.Sprintf("Requests with an Idempotency-Key may carry at most %d bytes of body. Nothing was executed or stored.", m.cfg.MaxBodyBytes), nil)
+		return
+	}
+	if err != nil {
+		m.observe(OutcomeRejected, start)
+		m.writeProblem(w, http.StatusBadRequest, "", "Bad Request", "The request body could not be read: "+err.Error(), nil)
+		return
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	fpBody := body
+	if m.cfg.CanonicalJSON && isJSON(r.Header.Get("Content-Type")) {
+		if c, ok := canonicalJSON(body); ok {
+			fpBody = c
+		}
+	}
+	fp := fingerprint(r.Method, m.cfg.Route(r), r.URL.RawQuery, fpBody)
+	m.execute(w, r, next, start, owner, key, fp)
+}
+
+// readBody reads the whole body up to limit. tooLarge is set when it is longer.
+func readBody(r *http.Request, limit int64) (body []byte, tooLarge bool, err error) {
+	if r.ContentLength > limit {
+		return nil, true, nil
+	}
+	if r.Body == nil {
+		return nil, false, nil
+	}
+	body, err = io.ReadAll(io.LimitReader(r.Body, limit+1))
+	if int64(len(body)) > limit {
+		return nil, true, nil
+	}
+	return body, false, err
+}
+
+func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, start time.Time, owner, key string, fp []byte) {
+	ctx := r.Context()
+	pc, err := m.cfg.Pool.Acquire(ctx)
+	if err != nil {
+		m.storageFailure(w, start, "acquire connection", err)
+		return
+	}
+	// Release returns the connection to the pool, or destroys it if a transaction is still
+	// open or aborted on it (a failure path), so nothing leaks into the next request.
+	defer pc.Release()
+
+	// Round trip 1: BEGIN, the key's lock and the key's record, pipelined.
+	tx, held, rec, err := m.claim(ctx, pc, lockID(m.cfg.Schema, owner, key), owner, key)
+	if tx == nil {
+		m.storageFailure(w, start, "begin transaction", err)
+		return
+	}
+	guard := &txGuard{}
+	ended := false
+	rollback := func() {
+		guard.close()
+		if ended {
+			return
+		}
+		ended = true
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = tx.Rollback(rctx) // on failure pgx closes the connection, which rolls back too
+	}
+	defer rollback()
+	if isLockTimeout(err) { // WaitInFlight ran out
+		rollback()
+		m.inFlight(w, start)
+		return
+	}
+	if err != nil {
+		m.storageFailure(w, start, "claim key", err)
+		return
+	}
+	if !held {
+		rollback()
+		m.inFlight(w, start)
+		return
+	}
+	if rec != nil && rec.live {
+		rollback() // release the lock and the connection before writing to a possibly slow client
+		m.replay(w, start, rec, fp)
+		return
+	}
+
+	// First request (or the first since the record expired): run the handler inside the
+	// transaction, holding its response back.
+	bw := newBufferWriter(w)
+	htx := pgx.Tx(&managedTx{Tx: tx, guard: guard})
+	hctx := outbox.ContextWithTx(context.WithValue(ctx, ctxKey{}, htx), htx)
+	returned := false
+	defer func() {
+		if !returned { // panic or runtime.Goexit: the deferred rollback undoes the handler's writes
+			m.observe(OutcomePanic, start)
+			m.cfg.Logger.Warn("idempotency: handler did not return normally; transaction rolled back, nothing stored",
+				"method", r.Method, "path", r.URL.Path)
+		}
+	}()
+	next.ServeHTTP(bw, r.WithContext(hctx))
+	returned = true
+	guard.close() // the handler is done with the transaction, whatever it kept a reference to
+	bw.finish()
+
+	if !m.cfg.Store(bw.status) {
+		rollback()
+		m.observe(OutcomeNotStored, start)
+		m.send(w, bw.status, bw.header, bw.body.Bytes(), true)
+		return
+	}
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+	defer cancel()
+	var storedBody []byte // nil stores NULL: over the cap
+	if bw.body.Len() <= m.cfg.MaxStoredResponseBytes {
+		storedBody = bw.body.Bytes()
+		if storedBody == nil {
+			storedBody = []byte{}
+		}
+	}
+	args := []any{owner, key, fp, bw.status, m.storedHeaders(bw.header), storedBody, m.cfg.Retention.Microseconds()}
+	if rec == nil {
+		// Second (and last) round trip of our own: insert and commit, pipelined. Should the insert fail (a record written
+		// without the lock: unique violation), PostgreSQL skips the COMMIT and the deferred
+		// rollback undoes everything.
+		b := &pgx.Batch{}
+		b.Queue(m.insertSQL, args...)
+		b.Queue("commit")
+		err = tx.SendBatch(sctx, b).Close()
+	} else {
+		// Replacing an expired record: the cleaner may delete it meanwhile (it does not take
+		// the lock), hence the upsert, and its row count is checked before committing.
+		var tag pgconn.CommandTag
+		if tag, err = tx.Exec(sctx, m.replaceSQL, args...); err == nil && tag.RowsAffected() != 1 {
+			err = errors.New("a live record appeared while the key was locked (was it written without the middleware?)")
+		}
+		if err == nil && m.afterStore != nil {
+			m.afterStore()
+		}
+		if err == nil {
+			err = tx.Commit(sctx)
+		}
+	}
+	if err != nil {
+		// The commit may or may not have happened (a lost connection); either way a retry with
+		// the same key is safe: it replays the stored response or runs afresh.
+		m.storageFailure(w, start, "store response", err)
+		return
+	}
+	ended = true
+	m.observe(OutcomeStored, start)
+	m.send(w, bw.status, bw.header, bw.body.Bytes(), true)
+}
+
+// claim opens the request transaction, takes the key's transaction-scoped advisory lock and
+// reads the key's record (live or expired; rec is nil when there is none), all in one round
+// trip. held is false when another transaction holds the lock. tx is nil only when the
+// transaction could not be begun; otherwise the caller must end it, even when err is set.
+//
+// The lock dies with the transaction or the connection, so a crashed server leaves no lock
+// behind. READ COMMITTED explicitly, whatever the server's default: the record is read by a
+// statement that takes its snapshot after the lock statement finished, so it sees anything
+// the lock's previous holder committed. (In one statement, or at REPEATABLE READ, the
+// snapshot would predate the lock and could miss that record.)
+func (m *Middleware) claim(ctx context.Context, pc *pgxpool.Conn, lock int64, owner, key string) (tx pgx.Tx, held bool, rec *record, err error) {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+	if m.cfg.WaitInFlight > 0 {
+		// Wait for the holder under lock_timeout, so the waiter wakes the moment the first
+		// request ends (timing out raises 55P03); then put the caller's lock_timeout back for
+		// the handler, by way of a transaction-local custom setting.
+		ms := max(m.cfg.WaitInFlight.Milliseconds(), 1) // 0 would mean "wait forever"
+		b.Queue(`SELECT set_config('onceflow.lock_timeout', current_setting('lock_timeout'), true)`)
+		b.Queue(`SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(ms, 10)+"ms")
+		b.Queue(`SELECT pg_advisory_xact_lock($1)`, lock)
+		b.Queue(`SELECT set_config('lock_timeout', current_setting('onceflow.lock_timeout'), true)`)
+		held = true
+	} else {
+		b.Queue(`SELECT pg_try_advisory_xact_lock($1)`, lock).QueryRow(func(row pgx.Row) error { return row.Scan(&held) })
+	}
+	b.Queue(m.selectSQL, owner, key).Query(func(rows pgx.Rows) error {
+		for rows.Next() {
+			var r record
+			var headers map[string][]string
+			if err := rows.Scan(&r.fingerprint, &r.status, &headers, &r.hasBody, &r.body, &r.live); err != nil {
+				return err
+			}
+			r.headers = headers
+			rec = &r
+		}
+		return rows.Err()
+	})
+	br := pc.SendBatch(ctx, b)
+	tx = br.Tx()
+	err = br.Close()
+	if err != nil {
+		if errors.Is(err, pgx.ErrTxClosed) || pc.Conn().PgConn().TxStatus() == 'I' {
+			return nil, false, nil, err // BEGIN itself failed: no transaction to end
+		}
+		return tx, false, nil, err
+	}
+	return tx, held, rec, nil
+}
+
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03" // lock_not_available
+}
+
+func (m *Middleware) inFlight(w http.ResponseWriter, start time.Time) {
+	m.observe(OutcomeInFlight, start)
+	w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
+	m.writeProblem(w, http.StatusConflict, ProblemInFlight, "A request with this Idempotency-Key is in progress",
+		"The first request with this key has not finished yet. Retry the same request, with the same key, after the Retry-After delay.", nil)
+}
+
+// replay answers from a stored record.
+func (m *Middleware) replay(w http.ResponseWriter, start time.Time, rec *record, fp []byte) {
+	if !bytes.Equal(rec.fingerprint, fp) {
+		m.observe(OutcomeMismatch, start)
+		m.writeProblem(w, m.cfg.MismatchStatus, ProblemKeyReused, "Idempotency-Key is already used",
+			"This key was already used with a different request (method, path, query or body). Use a new key for a new request; reuse a key only to retry the identical request.", nil)
+		return
+	}
+	h := rec.headers.Clone()
+	if h == nil {
+		h = http.Header{}
+	}
+	h.Set(HeaderReplayed, "true")
+	if !rec.hasBody {
+		m.observe(OutcomeNoBody, start)
+		h.Del("Content-Type") // the problem document has its own
+		for k, v := range h {
+			w.Header()[k] = v
+		}
+		m.writeProblem(w, http.StatusGone, ProblemResponseNotStored, "Stored response not available",
+			"The request with this key was already executed, but its response was too large to store, so it cannot be replayed. original_status is its status; Location or Content-Location, when present, point to the result.",
+			func(p *problem) { p.OriginalStatus = rec.status })
+		return
+	}
+	m.observe(OutcomeReplayed, start)
+	m.send(w, rec.status, h, rec.body, false)
+}
+
+func (m *Middleware) send(w http.ResponseWriter, status int, h http.Header, body []byte, replace bool) {
+	if err := sendResponse(w, status, h, body, replace); err != nil {
+		// The client is gone. The record (if any) is committed, so its retry replays.
+		m.cfg.Logger.Debug("idempotency: response not delivered", "err", err)
+	}
+}
+
+// storedHeaders keeps the allow-listed headers of a response.
+func (m *Middleware) storedHeaders(h http.Header) map[string][]string {
+	out := make(map[string][]string, len(m.cfg.StoredHeaders))
+	for _, name := range m.cfg.StoredHeaders {
+		if v, ok := h[name]; ok && len(v) > 0 {
+			out[name] = v
+		}
+	}
+	return out
+}
+
+func (m *Middleware) storageFailure(w http.ResponseWriter, start time.Time, step string, err error) {
+	m.observe(OutcomeStorageFail, start)
+	m.cfg.Logger.Error("idempotency: storage failed; nothing stored, the request's writes rolled back", "step", step, "err", err)
+	w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
+	m.writeProblem(w, http.StatusServiceUnavailable, ProblemStorage, "Idempotency storage unavailable",
+		"The request could not be completed safely and nothing was kept. Retry the same request with the same key.", nil)
+}
+
+func (m *Middleware) observe(o Outcome, start time.Time) {
+	if m.cfg.Metrics != nil {
+		m.cfg.Metrics.Observe(o, time.Since(start))
+	}
+}
+
+// lockID maps (schema, owner, key) to the 64-bit advisory lock key. A collision between two
+// different keys only makes one of them wait or get a 409; records are looked up by the exact
+// (owner, key), never by this hash.
+func lockID(schema, owner, key string) int64 {
+	h := sha256.New()
+	for _, s := range []string{"onceflow.idempotency", schema, owner, key} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(s)))
+		h.Write(n[:])
+		h.Write([]byte(s))
+	}
+	return int64(binary.BigEndian.Uint64(h.Sum(nil)[:8]))
+}

@@ -1,0 +1,361 @@
+// Package inbox makes a Watermill handler apply each message's effect exactly once, however
+// often the broker delivers it.
+//
+// The middleware runs every message in ONE PostgreSQL transaction that holds
+//
+//   - the dedup row (consumer, key) in processed_event, inserted with ON CONFLICT DO NOTHING:
+//     when it already exists the handler is skipped and the message acknowledged;
+//   - the handler's own writes, made on the transaction it finds with Tx(msg.Context());
+//   - the messages the handler returns (or publishes on an outbox.Writer.ContextPublisher
+//     event bus), written to the outbox instead of being published by the router.
+//
+// The transaction commits before the middleware returns, so the subscriber acknowledges (and
+// commits the broker offset) only after the effect is durable. A handler error or panic rolls
+// everything back, leaving no dedup row, so the redelivery runs the handler again.
+//
+// Use it as the innermost middleware, under Retry so each attempt gets a fresh transaction:
+//
+//	ib, err := inbox.New(inbox.Config{Pool: pool, Consumer: "billing"})
+//	router.AddMiddleware(poisonQueue, retry.Middleware, middleware.Recoverer, ib.Middleware)
+//	router.AddHandler("billing", "orders.placed", sub, "billing.invoiced", inbox.OutboxOnly{},
+//		func(msg *message.Message) ([]*message.Message, error) {
+//			tx := inbox.Tx(msg.Context())
+//			// ... writes on tx ...
+//			return []*message.Message{outbox.NewMessage(invoice)}, nil
+//		})
+//
+// See docs/inbox.md for the recommended middleware order, the Kafka subscriber settings
+// (package inbox/inboxkafka), retention (Cleaner) and the Redis store for effects outside
+// PostgreSQL (package inbox/redisdedup).
+package inbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// MaxConsumerBytes bounds Config.Consumer, which is stored in every dedup row.
+const MaxConsumerBytes = 200
+
+// rollbackTimeout bounds a rollback. It runs on a context detached from the message's, so a
+// cancelled or timed-out message still releases its connection cleanly.
+const rollbackTimeout = 10 * time.Second
+
+// Config configures an Inbox. Pool and Consumer are required; every other field has a default.
+type Config struct {
+	// Pool opens one transaction per message. Required. Size it for the number of messages
+	// handled at once (with watermill-kafka: one per assigned partition).
+	Pool *pgxpool.Pool
+	// Schema holds processed_event (and the outbox, unless Writer says otherwise).
+	// Default "onceflow". Must be a plain lower-case identifier.
+	Schema string
+	// Consumer names this consumer in the dedup rows: the same key under two consumers is two
+	// messages, so two handlers of one topic each apply it once. Required. Keep it stable: a
+	// renamed consumer sees every retained message as new.
+	Consumer string
+	// KeyFunc returns a message's dedup key. Default DefaultKey (saga id + step + phase for
+	// saga messages, the event id otherwise).
+	KeyFunc KeyFunc
+	// Writer writes the messages the handler returns into the outbox, in the message's
+	// transaction. Default: outbox.NewWriter(outbox.Config{Schema: Schema}).
+	Writer *outbox.Writer
+	// NoKeyPolicy decides what happens to a message without a usable key. Default RejectNoKey.
+	NoKeyPolicy NoKeyPolicy
+	// Logger receives duplicates (debug), dropped messages (warn) and rollback failures.
+	// Default slog.Default().
+	Logger *slog.Logger
+	// Metrics counts processed, duplicate, failed and keyless messages. Default: none.
+	Metrics Metrics
+}
+
+// Inbox is the deduplicating middleware of one consumer. It is safe for concurrent use; the
+// router runs it for many messages at once.
+type Inbox struct {
+	cfg       Config
+	insertSQL string
+}
+
+// New validates cfg, reporting every problem at once, and returns an Inbox.
+func New(cfg Config) (*Inbox, error) {
+	if cfg.Schema == "" {
+		cfg.Schema = pgsql.DefaultSchema
+	}
+	var problems []error
+	if cfg.Pool == nil {
+		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool of the database holding processed_event"))
+	}
+	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
+		problems = append(problems, err)
+	}
+	if err := validateConsumer(cfg.Consumer); err != nil {
+		problems = append(problems, err)
+	}
+	if cfg.NoKeyPolicy != RejectNoKey && cfg.NoKeyPolicy != DropNoKey {
+		problems = append(problems, fmt.Errorf("NoKeyPolicy is %v; use inbox.RejectNoKey (default) or inbox.DropNoKey", cfg.NoKeyPolicy))
+	}
+	if cfg.Writer == nil && len(problems) == 0 {
+		w, err := outbox.NewWriter(outbox.Config{Schema: cfg.Schema})
+		if err != nil {
+			problems = append(problems, err)
+		}
+		cfg.Writer = w
+	}
+	if err := errors.Join(problems...); err != nil {
+		return nil, fmt.Errorf("inbox: invalid config: %w", err)
+	}
+	if cfg.KeyFunc == nil {
+		cfg.KeyFunc = DefaultKey
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = nopMetrics{}
+	}
+	cfg.Logger = cfg.Logger.With("consumer", cfg.Consumer)
+	return &Inbox{
+		cfg: cfg,
+		// ON CONFLICT DO NOTHING rather than catching a unique violation: an error would abort
+		// the transaction, and a concurrent delivery of the same key waits here on the first
+		// one's uncommitted row, then sees it (0 rows: skip) or inserts if the first rolled back.
+		insertSQL: `INSERT INTO ` + pgsql.Table(cfg.Schema, "processed_event") + ` (consumer, dedup_key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+	}, nil
+}
+
+func validateConsumer(c string) error {
+	switch {
+	case c == "":
+		return errors.New(`Consumer is empty; name the consumer (e.g. "billing"): it is part of every dedup key and must stay stable`)
+	case len(c) > MaxConsumerBytes:
+		return fmt.Errorf("Consumer is %d bytes; use at most %d", len(c), MaxConsumerBytes)
+	case !utf8.ValidString(c) || strings.IndexByte(c, 0) >= 0:
+		return fmt.Errorf("Consumer %q is not valid UTF-8 text without NUL bytes", c)
+	}
+	return nil
+}
+
+// Config returns the configuration with defaults filled in.
+func (ib *Inbox) Config() Config { return ib.cfg }
+
+// Middleware is the message.HandlerMiddleware. Install it innermost (closest to the handler)
+// so that each Retry attempt runs in its own transaction; see the package documentation.
+func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
+	return func(msg *message.Message) ([]*message.Message, error) {
+		return ib.handle(msg, h)
+	}
+}
+
+func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*message.Message, err error) {
+	orig := msg.Context()
+	// The handler sees a context carrying the transaction; put the original back afterwards so
+	// a Retry attempt (which reuses msg) never sees a finished transaction.
+	defer msg.SetContext(orig)
+
+	key, err := ib.key(msg)
+	if err != nil {
+		ib.cfg.Metrics.NoKey(ib.cfg.Consumer)
+		if ib.cfg.NoKeyPolicy == DropNoKey {
+			ib.cfg.Logger.Warn("inbox: message without a dedup key dropped (acknowledged, handler not run)",
+				"message_uuid", msg.UUID, "err", err, "metadata", map[string]string(msg.Metadata))
+			return nil, nil
+		}
+		return nil, fmt.Errorf("inbox: consumer %q, message %q: %w", ib.cfg.Consumer, msg.UUID, err)
+	}
+
+	start := time.Now()
+	tx, err := ib.cfg.Pool.Begin(orig)
+	if err != nil {
+		ib.cfg.Metrics.Failed(ib.cfg.Consumer)
+		return nil, fmt.Errorf("inbox: consumer %q: begin transaction: %w", ib.cfg.Consumer, err)
+	}
+	finished := false
+	defer func() {
+		if finished {
+			return
+		}
+		// Reached on every path that did not commit, including a handler panic (which keeps
+		// unwinding to Recoverer or the router): nothing of the attempt survives.
+		ib.cfg.Metrics.Failed(ib.cfg.Consumer)
+		ib.rollback(orig, tx, msg)
+	}()
+
+	tag, err := tx.Exec(orig, ib.insertSQL, ib.cfg.Consumer, key)
+	if err != nil {
+		return nil, fmt.Errorf("inbox: consumer %q: record dedup key %q: %w", ib.cfg.Consumer, key, err)
+	}
+	if tag.RowsAffected() == 0 {
+		finished = true
+		ib.rollback(orig, tx, msg)
+		ib.cfg.Metrics.Duplicate(ib.cfg.Consumer)
+		ib.cfg.Logger.Debug("inbox: duplicate skipped", "message_uuid", msg.UUID, "dedup_key", key)
+		return nil, nil
+	}
+
+	msg.SetContext(outbox.ContextWithTx(orig, tx))
+	produced, err := h(msg)
+	if err != nil {
+		// Returned unwrapped so errors.Is/As and poison-queue reasons see the handler's error.
+		return nil, err
+	}
+	if len(produced) > 0 {
+		if err := ib.writeProduced(orig, tx, produced); err != nil {
+			return nil, err
+		}
+	}
+	if err := tx.Commit(orig); err != nil {
+		// The outcome of a failed COMMIT can be unknown (connection lost after sending it).
+		// Failing the message is safe either way: if it did commit, the redelivery finds the
+		// dedup row and is skipped.
+		return nil, fmt.Errorf("inbox: consumer %q: commit: %w", ib.cfg.Consumer, err)
+	}
+	finished = true
+	ib.cfg.Metrics.Processed(ib.cfg.Consumer, time.Since(start))
+	// Nothing goes back to the router: the produced messages are in the outbox.
+	return nil, nil
+}
+
+func (ib *Inbox) key(msg *message.Message) (string, error) {
+	key, err := ib.cfg.KeyFunc(msg)
+	if err != nil {
+		if !errors.Is(err, ErrNoKey) {
+			err = fmt.Errorf("%w: KeyFunc: %w", ErrNoKey, err)
+		}
+		return "", err
+	}
+	return checkKey(key)
+}
+
+func (ib *Inbox) rollback(ctx context.Context, tx pgx.Tx, msg *message.Message) {
+	// Always call Rollback, even on a broken connection: it also returns the connection to
+	// the pool.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
+	defer cancel()
+	closed := tx.Conn() != nil && tx.Conn().IsClosed()
+	// pgx closes the connection when a query's context is cancelled (Timeout middleware); the
+	// server aborted the transaction with it, so a failed rollback there is expected.
+	if err := tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) && !closed {
+		// The server aborts the transaction when the connection closes, so nothing is kept.
+		ib.cfg.Logger.Warn("inbox: rollback failed; the connection is discarded and the server aborts the transaction",
+			"message_uuid", msg.UUID, "err", err)
+	}
+}
+
+// MetadataTopic is the metadata key ToTopic sets: the outbox topic of one message a handler
+// returns. The middleware removes it before writing the message.
+const MetadataTopic = "onceflow_topic"
+
+// ToTopic addresses a message the handler returns to topic, overriding the handler's publish
+// topic, so one handler can emit events to several topics. It returns msg for chaining:
+//
+//	return []*message.Message{
+//		inbox.ToTopic(outbox.NewMessage(invoice), "billing.invoiced"),
+//		inbox.ToTopic(outbox.NewMessage(mail), "mail.requested"),
+//	}, nil
+func ToTopic(msg *message.Message, topic string) *message.Message {
+	msg.Metadata.Set(MetadataTopic, topic)
+	return msg
+}
+
+// ErrNoTopic is returned when a handler returns a message the inbox cannot address: the
+// handler was registered without a publish topic and the message was not given one with
+// ToTopic.
+var ErrNoTopic = errors.New("the handler returned a message but no topic is known for it: " +
+	"register the handler with a publish topic (router.AddHandler(name, subscribeTopic, sub, publishTopic, inbox.OutboxOnly{}, h)) " +
+	"or address the message with inbox.ToTopic(msg, topic)")
+
+// IsPermanent reports whether err is an inbox error that retrying the same message cannot
+// fix: a message without a usable key (ErrNoKey), a returned message without a topic
+// (ErrNoTopic) or one the outbox refuses (*outbox.ValidationError). Such messages belong in a
+// poison queue.
+func IsPermanent(err error) bool {
+	var ve *outbox.ValidationError
+	return errors.Is(err, ErrNoKey) || errors.Is(err, ErrNoTopic) || errors.As(err, &ve)
+}
+
+// ShouldRetry is a middleware.Retry ShouldRetry function that stops retrying permanent
+// inbox errors (IsPermanent), so they reach the poison queue at once:
+//
+//	middleware.Retry{MaxRetries: 5, ..., ShouldRetry: inbox.ShouldRetry}
+func ShouldRetry(p middleware.RetryParams) bool { return !IsPermanent(p.Err) }
+
+// writeProduced writes the handler's messages to the outbox in tx, in the order returned.
+// Consecutive messages for the same topic go in one call (one round trip).
+func (ib *Inbox) writeProduced(ctx context.Context, tx pgx.Tx, produced []*message.Message) error {
+	defaultTopic := message.PublishTopicFromCtx(ctx)
+	topics := make([]string, len(produced))
+	msgs := make([]*message.Message, len(produced))
+	for i, m := range produced {
+		if m == nil {
+			return fmt.Errorf("inbox: consumer %q: the handler returned a nil message at index %d", ib.cfg.Consumer, i)
+		}
+		topic, routed := m.Metadata[MetadataTopic]
+		if routed {
+			// Write a copy without the routing key; the handler's message stays untouched.
+			m = m.Copy()
+			delete(m.Metadata, MetadataTopic)
+		} else {
+			topic = defaultTopic
+		}
+		if topic == "" {
+			return fmt.Errorf("inbox: consumer %q: message %d (uuid %q): %w", ib.cfg.Consumer, i, m.UUID, ErrNoTopic)
+		}
+		topics[i], msgs[i] = topic, m
+	}
+	for start := 0; start < len(msgs); {
+		end := start + 1
+		for end < len(msgs) && topics[end] == topics[start] {
+			end++
+		}
+		if err := ib.cfg.Writer.WriteTx(ctx, tx, topics[start], msgs[start:end]...); err != nil {
+			return fmt.Errorf("inbox: consumer %q: write the handler's messages to the outbox: %w", ib.cfg.Consumer, err)
+		}
+		start = end
+	}
+	return nil
+}
+
+// Tx returns the transaction the inbox middleware opened for the message whose context is
+// ctx (pass msg.Context()). The handler's writes on it commit together with the dedup row, or
+// not at all. It panics when ctx carries no transaction, which means the handler runs without
+// the inbox middleware — a wiring mistake that must not silently write outside it; use
+// outbox.TxFromContext for a checked lookup. Do not commit or roll it back: the middleware
+// does, after writing the handler's returned messages.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, ok := outbox.TxFromContext(ctx)
+	if !ok {
+		panic("inbox.Tx: no transaction in this context: install the inbox middleware on this handler (router.AddMiddleware(ib.Middleware)) and pass msg.Context()")
+	}
+	return tx
+}
+
+// ErrRouterPublish is returned by OutboxOnly when messages reach the router's publisher,
+// which means the inbox middleware is not installed on that handler.
+var ErrRouterPublish = errors.New("inbox: a handler's messages reached the router's publisher, so the inbox middleware is not installed on it: " +
+	"add it (router.AddMiddleware(ib.Middleware) or handler.AddMiddleware(ib.Middleware)) so they are written to the outbox in the handler's transaction")
+
+// OutboxOnly is the publisher to register inbox handlers with. The inbox writes the
+// handler's messages to the outbox and returns none to the router, so this publisher never
+// receives any; if it does, the middleware is missing and it refuses with ErrRouterPublish
+// rather than publish outside the transaction.
+//
+//	router.AddHandler("billing", "orders.placed", sub, "billing.invoiced", inbox.OutboxOnly{}, handle)
+type OutboxOnly struct{}
+
+// Publish implements message.Publisher by refusing; see OutboxOnly.
+func (OutboxOnly) Publish(string, ...*message.Message) error { return ErrRouterPublish }
+
+// Close implements message.Publisher.
+func (OutboxOnly) Close() error { return nil }

@@ -1,0 +1,123 @@
+package inbox
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// Saga phases, the values of outbox.MetadataSagaPhase. A message without a phase is an action.
+const (
+	PhaseAction       = "action"
+	PhaseCompensation = "compensation"
+)
+
+// MaxKeyBytes bounds a dedup key. The key is part of processed_event's primary key, and a
+// B-tree entry must fit in a third of a page; a longer key is refused rather than truncated,
+// because truncation could make two different messages look like duplicates.
+const MaxKeyBytes = 1024
+
+// ErrNoKey is wrapped by the error returned for a message that has no usable dedup key (no
+// UUID, incomplete saga metadata, or a KeyFunc error). Such a message is never processed
+// without deduplication; Config.NoKeyPolicy decides whether it is returned as an error (the
+// default, so a poison-queue middleware can take it) or acknowledged and dropped.
+// Retrying it cannot help: exclude it in middleware.Retry's ShouldRetry with errors.Is.
+var ErrNoKey = errors.New("message has no usable dedup key")
+
+// KeyFunc returns the dedup key of a message. Two deliveries with the same key (for the same
+// consumer) are one message: the handler runs for the first and the others are skipped.
+// Return an error wrapping ErrNoKey (or any error) when the message carries no usable key.
+type KeyFunc func(msg *message.Message) (string, error)
+
+// DefaultKey is the default KeyFunc:
+//
+//   - a saga message (metadata outbox.MetadataSagaID set) is keyed by saga id, step and phase,
+//     so the same step delivered twice runs once even if it was re-sent with a new event id,
+//     while the action and the compensation of one step are different keys;
+//   - any other message is keyed by its Watermill UUID, the event id the outbox assigned once.
+//
+// A saga message without a step, with an unknown phase, or a message without a UUID has no
+// usable key and yields an error wrapping ErrNoKey.
+func DefaultKey(msg *message.Message) (string, error) {
+	if sagaID, ok := msg.Metadata[outbox.MetadataSagaID]; ok {
+		return SagaKey(sagaID, msg.Metadata.Get(outbox.MetadataSagaStep), msg.Metadata.Get(outbox.MetadataSagaPhase))
+	}
+	return EventKey(msg.UUID)
+}
+
+// EventKey is the dedup key of a plain event: "event:" followed by its id.
+func EventKey(eventID string) (string, error) {
+	if eventID == "" {
+		return "", fmt.Errorf("%w: the message UUID is empty (publish through the outbox, or set the %q header, or configure a KeyFunc)", ErrNoKey, "_watermill_message_uuid")
+	}
+	return checkKey("event:" + eventID)
+}
+
+// SagaKey is the dedup key of a saga message: "saga:" followed by the quoted saga id and step
+// and the phase, e.g. saga:"0193…":"reserve-stock":action. Quoting makes the key unambiguous
+// whatever characters the id and step contain. An empty phase means PhaseAction.
+func SagaKey(sagaID, step, phase string) (string, error) {
+	var problems []string
+	if sagaID == "" {
+		problems = append(problems, fmt.Sprintf("metadata %q is empty", outbox.MetadataSagaID))
+	}
+	if step == "" {
+		problems = append(problems, fmt.Sprintf("metadata %q is missing (a saga message is deduplicated by saga id + step)", outbox.MetadataSagaStep))
+	}
+	switch phase {
+	case "":
+		phase = PhaseAction
+	case PhaseAction, PhaseCompensation:
+	default:
+		problems = append(problems, fmt.Sprintf("metadata %q is %q; want %q or %q", outbox.MetadataSagaPhase, phase, PhaseAction, PhaseCompensation))
+	}
+	if len(problems) > 0 {
+		return "", fmt.Errorf("%w: saga message: %s", ErrNoKey, strings.Join(problems, "; "))
+	}
+	return checkKey("saga:" + strconv.Quote(sagaID) + ":" + strconv.Quote(step) + ":" + phase)
+}
+
+// checkKey refuses keys PostgreSQL cannot store or index: NUL bytes, invalid UTF-8, too long.
+func checkKey(key string) (string, error) {
+	switch {
+	case key == "":
+		return "", fmt.Errorf("%w: the key is empty", ErrNoKey)
+	case len(key) > MaxKeyBytes:
+		return "", fmt.Errorf("%w: the key is %d bytes, over the %d-byte limit (use a shorter id, or a KeyFunc that hashes it)", ErrNoKey, len(key), MaxKeyBytes)
+	case !utf8.ValidString(key):
+		return "", fmt.Errorf("%w: the key is not valid UTF-8", ErrNoKey)
+	case strings.IndexByte(key, 0) >= 0:
+		return "", fmt.Errorf("%w: the key contains a NUL byte", ErrNoKey)
+	}
+	return key, nil
+}
+
+// NoKeyPolicy says what the middleware does with a message that has no usable dedup key.
+// Either way the handler does not run: processing a message without deduplication would
+// silently give up the exactly-once effect.
+type NoKeyPolicy int
+
+const (
+	// RejectNoKey returns an error wrapping ErrNoKey, so the message is nacked, or taken by a
+	// poison-queue middleware placed outside the inbox. The default.
+	RejectNoKey NoKeyPolicy = iota
+	// DropNoKey logs a warning, counts the message (Metrics.NoKey) and acknowledges it.
+	DropNoKey
+)
+
+// String returns the policy's name, as used in configuration errors.
+func (p NoKeyPolicy) String() string {
+	switch p {
+	case RejectNoKey:
+		return "RejectNoKey"
+	case DropNoKey:
+		return "DropNoKey"
+	}
+	return "NoKeyPolicy(" + strconv.Itoa(int(p)) + ")"
+}
