@@ -288,7 +288,7 @@ func outboxReplay(ctx context.Context, args []string) error {
 }
 
 func fmtTime(t time.Time) string {
-	if t.IsZero() || t.Year() < 1 || t.Year() > 9999 {
+	if t.IsZero() || t.Unix() <= 0 || t.Year() > 9999 { // 'epoch' marks a free lease
 		return "-"
 	}
 	return t.UTC().Format("2006-01-02 15:04:05.000Z")
