@@ -29,7 +29,7 @@ var stdout io.Writer = os.Stdout
 
 func runOutbox(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		usageOf(newFlagSet("outbox", outboxSynopsis))
+		outboxUsage()
 		return errUsage
 	}
 	switch args[0] {
@@ -40,16 +40,19 @@ func runOutbox(ctx context.Context, args []string) error {
 	case "replay":
 		return outboxReplay(ctx, args[1:])
 	case "-h", "--help", "help":
-		usageOf(newFlagSet("outbox", outboxSynopsis))
+		outboxUsage()
 		return nil
 	default:
 		fmt.Fprintf(os.Stderr, "onceflow outbox: unknown action %q\n\n", args[0])
-		usageOf(newFlagSet("outbox", outboxSynopsis))
+		outboxUsage()
 		return errUsage
 	}
 }
 
-func usageOf(fs *flag.FlagSet) { fs.Usage() }
+// outboxUsage prints the actions; each action has its own -h with its flags.
+func outboxUsage() {
+	fmt.Fprintf(os.Stderr, "Usage: onceflow %s\n\nRun 'onceflow outbox <action> -h' for the flags of an action.\n", outboxSynopsis)
+}
 
 // filterFlags are the row selectors shared by parked and replay.
 type filterFlags struct {
@@ -58,7 +61,7 @@ type filterFlags struct {
 
 func addFilterFlags(fs *flag.FlagSet) *filterFlags {
 	f := &filterFlags{}
-	fs.StringVar(&f.ids, "id", "", "comma-separated row ids (as shown by `outbox parked`)")
+	fs.StringVar(&f.ids, "id", "", "comma-separated row ids, as listed by outbox parked")
 	fs.StringVar(&f.eventIDs, "event-id", "", "comma-separated event ids (UUIDs)")
 	fs.StringVar(&f.topic, "topic", "", "only rows of this topic")
 	fs.StringVar(&f.key, "key", "", "only rows with this partition key")
