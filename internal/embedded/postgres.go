@@ -64,9 +64,16 @@ func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error)
 	if err != nil {
 		return nil, err
 	}
-	dir, err := os.MkdirTemp("", "onceflow-pg-")
+	reapOrphans(logf)
+	dir, err := os.MkdirTemp("", dirPrefix)
 	if err != nil {
 		return nil, fmt.Errorf("embedded postgres: create temp dir: %w", err)
+	}
+	// The owner's pid lets a later start remove this cluster if the owner dies without Stop
+	// (SIGKILL, a test timeout): PostgreSQL does not exit with its parent.
+	if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("embedded postgres: write owner file: %w", err)
 	}
 	p := &Postgres{dir: dir}
 	if os.Geteuid() == 0 {
@@ -162,6 +169,39 @@ func (p *Postgres) run(ctx context.Context, bin string, args ...string) ([]byte,
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: p.cred}
 	}
 	return cmd.CombinedOutput()
+}
+
+const (
+	dirPrefix = "onceflow-pg-"
+	ownerFile = "owner.pid"
+)
+
+// reapOrphans stops and removes clusters left in the temp folder by processes that died
+// without calling Stop. Best effort: errors are ignored.
+func reapOrphans(logf func(string, ...any)) {
+	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), dirPrefix+"*"))
+	for _, dir := range dirs {
+		b, err := os.ReadFile(filepath.Join(dir, ownerFile))
+		if err != nil {
+			continue // not ours, or still being created
+		}
+		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+		if err != nil || pid <= 0 || processAlive(pid) {
+			continue
+		}
+		orphan := &Postgres{dir: dir}
+		if os.Geteuid() == 0 {
+			orphan.cred, _ = postgresCredential()
+		}
+		if err := orphan.Stop(); err == nil {
+			logf("embedded postgres: removed orphaned cluster %s (owner pid %d is gone)", dir, pid)
+		}
+	}
+}
+
+func processAlive(pid int) bool {
+	err := syscall.Kill(pid, 0)
+	return err == nil || errors.Is(err, syscall.EPERM)
 }
 
 func findPGBinary(name string) (string, error) {
