@@ -147,9 +147,9 @@ func printTable(rs []result) {
 			ratio = "baseline"
 		} else if base, ok := baseline(rs, r.Scenario); ok && base.Value > 0 && r.Value > 0 {
 			if r.HigherIsBetter {
-				ratio = fmt.Sprintf("%.2f× faster", r.Value/base.Value)
+				ratio = fmt.Sprintf("%.2f× %s", r.Value/base.Value, base.System)
 			} else {
-				ratio = fmt.Sprintf("%.2f× lower", base.Value/r.Value)
+				ratio = fmt.Sprintf("%.2f× lower than %s", base.Value/r.Value, base.System)
 			}
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", r.Scenario, r.System, formatValue(r.Value), r.Unit, ratio, r.Target)
