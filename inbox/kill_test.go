@@ -2,7 +2,6 @@ package inbox_test
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -26,6 +25,7 @@ import (
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -123,7 +123,7 @@ func childMain(string) int {
 type child struct {
 	cmd    *exec.Cmd
 	lines  chan string
-	stderr *bytes.Buffer
+	stderr *testutil.SyncBuffer
 	exited chan struct{}
 }
 
@@ -139,8 +139,8 @@ func startChild(t *testing.T, env []string) *child {
 	// line printed just before a SIGKILL is lost.
 	stdout, pw := io.Pipe()
 	cmd.Stdout = pw
-	c := &child{cmd: cmd, lines: make(chan string, 100), stderr: &bytes.Buffer{}, exited: make(chan struct{})}
-	cmd.Stderr = &lockedWriter{w: c.stderr}
+	c := &child{cmd: cmd, lines: make(chan string, 100), stderr: &testutil.SyncBuffer{}, exited: make(chan struct{})}
+	cmd.Stderr = c.stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -198,21 +198,7 @@ func (c *child) killedBySIGKILL() bool {
 }
 
 func (c *child) stderrText() string {
-	lw := c.cmd.Stderr.(*lockedWriter)
-	lw.mu.Lock()
-	defer lw.mu.Unlock()
 	return c.stderr.String()
-}
-
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }
 
 // End to end on the Kafka protocol (kfake) with watermill-kafka: a consumer process killed

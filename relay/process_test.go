@@ -1,20 +1,18 @@
 package relay_test
 
 import (
-	"bytes"
-
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/internal/testutil"
 )
 
 // buildOnceflow builds the onceflow command into a temporary folder and returns its path.
@@ -39,26 +37,9 @@ func buildOnceflow(t testing.TB) string {
 // child is one `onceflow relay` process.
 type child struct {
 	cmd  *exec.Cmd
-	out  *syncBuffer
+	out  *testutil.SyncBuffer
 	done chan struct{}
 	err  error
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // startChild runs `onceflow relay` against the test's schema and brokers with extra flags.
@@ -66,7 +47,7 @@ func startChild(t testing.TB, bin string, db *testdb.DB, brokers []string, extra
 	t.Helper()
 	args := append([]string{"relay", "--database-url", db.URL, "--schema", db.Schema,
 		"--kafka-brokers", strings.Join(brokers, ","), "--log-level", "debug"}, extra...)
-	c := &child{cmd: exec.Command(bin, args...), out: &syncBuffer{}, done: make(chan struct{})}
+	c := &child{cmd: exec.Command(bin, args...), out: &testutil.SyncBuffer{}, done: make(chan struct{})}
 	c.cmd.Stdout, c.cmd.Stderr = c.out, c.out
 	c.cmd.Env = append(os.Environ(), "GORACE=halt_on_error=1")
 	if err := c.cmd.Start(); err != nil {

@@ -131,7 +131,7 @@ func runCleanup(ctx context.Context, args []string) error {
 		return err
 	}
 
-	pool, err := db.connect(ctx)
+	pool, err := db.connect(ctx, "onceflow-cleanup")
 	if err != nil {
 		return err
 	}

@@ -70,11 +70,20 @@ func (d *dbFlags) validate() error {
 	return nil
 }
 
-func (d *dbFlags) connect(ctx context.Context) (*pgxpool.Pool, error) {
+// connect opens a pool and checks it with a ping. The connections carry application_name
+// (unless the URL sets one) so pg_stat_activity shows which onceflow command holds them.
+func (d *dbFlags) connect(ctx context.Context, applicationName string) (*pgxpool.Pool, error) {
 	if err := d.validate(); err != nil {
 		return nil, err
 	}
-	pool, err := pgxpool.New(ctx, d.url)
+	cfg, err := pgxpool.ParseConfig(d.url)
+	if err != nil {
+		return nil, fmt.Errorf("parse database URL: %w", err)
+	}
+	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
+		cfg.ConnConfig.RuntimeParams["application_name"] = applicationName
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("connect to database: %w", err)
 	}

@@ -41,7 +41,7 @@ func runMigrate(ctx context.Context, args []string) error {
 		fs.Usage()
 		return errUsage
 	}
-	pool, err := db.connect(ctx)
+	pool, err := db.connect(ctx, "onceflow-migrate")
 	if err != nil {
 		return err
 	}

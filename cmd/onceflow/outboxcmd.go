@@ -117,7 +117,7 @@ func outboxInspect(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	pool, err := db.connect(ctx)
+	pool, err := db.connect(ctx, "onceflow-outbox")
 	if err != nil {
 		return err
 	}
@@ -210,7 +210,7 @@ func outboxParked(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	pool, err := db.connect(ctx)
+	pool, err := db.connect(ctx, "onceflow-outbox")
 	if err != nil {
 		return err
 	}
@@ -256,7 +256,7 @@ func outboxReplay(ctx context.Context, args []string) error {
 	if !f.All && len(f.IDs) == 0 && len(f.EventIDs) == 0 && f.Topic == "" && f.Key == "" {
 		return fmt.Errorf("nothing selected: pass --id, --event-id, --topic or --key, or --all to replay every parked row")
 	}
-	pool, err := db.connect(ctx)
+	pool, err := db.connect(ctx, "onceflow-outbox")
 	if err != nil {
 		return err
 	}

@@ -13,7 +13,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -157,7 +156,7 @@ func runRelay(ctx context.Context, args []string) error {
 	}
 	defer func() { _ = sink.Close() }()
 
-	pool, err := connectRelayPool(ctx, db)
+	pool, err := db.connect(ctx, "onceflow-relay")
 	if err != nil {
 		return err
 	}
@@ -205,25 +204,6 @@ func appendProblems(problems []string, err error) []string {
 		problems = append(problems, err.Error())
 	}
 	return problems
-}
-
-func connectRelayPool(ctx context.Context, db *dbFlags) (*pgxpool.Pool, error) {
-	pcfg, err := pgxpool.ParseConfig(db.url)
-	if err != nil {
-		return nil, fmt.Errorf("parse database URL: %w", err)
-	}
-	if pcfg.ConnConfig.RuntimeParams["application_name"] == "" {
-		pcfg.ConnConfig.RuntimeParams["application_name"] = "onceflow-relay"
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-	if err != nil {
-		return nil, fmt.Errorf("connect to database: %w", err)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
-		return nil, fmt.Errorf("connect to database: %w", err)
-	}
-	return pool, nil
 }
 
 // serveMetrics serves /metrics and /healthz; it fails at once if the address is taken.

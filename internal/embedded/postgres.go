@@ -88,7 +88,7 @@ func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error)
 			return nil, fmt.Errorf("embedded postgres: chown %s: %w", dir, err)
 		}
 	}
-	port, err := freePort()
+	port, err := FreePort()
 	if err != nil {
 		os.RemoveAll(dir)
 		return nil, err
@@ -228,10 +228,12 @@ func postgresCredential() (*syscall.Credential, error) {
 	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
 }
 
-func freePort() (int, error) {
+// FreePort returns a TCP port on 127.0.0.1 that was free a moment ago, for a server the
+// caller is about to start.
+func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return 0, fmt.Errorf("embedded postgres: find a free port: %w", err)
+		return 0, fmt.Errorf("find a free port: %w", err)
 	}
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil

@@ -4,18 +4,19 @@
 package redistest
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net"
 	"os/exec"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/onceflow/onceflow/internal/embedded"
+	"github.com/onceflow/onceflow/internal/testutil"
 )
 
 // Server is a running redis-server.
@@ -23,7 +24,7 @@ type Server struct {
 	addr   string
 	cmd    *exec.Cmd
 	exited chan struct{}
-	output *lockedBuffer
+	output *testutil.SyncBuffer
 }
 
 // Addr is the server's host:port.
@@ -71,7 +72,7 @@ func Start(t testing.TB) *Server {
 }
 
 func start(t testing.TB, bin string) (*Server, error) {
-	port, err := freePort()
+	port, err := embedded.FreePort()
 	if err != nil {
 		return nil, err
 	}
@@ -79,7 +80,7 @@ func start(t testing.TB, bin string) (*Server, error) {
 	cmd := exec.Command(bin,
 		"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--dir", dir,
 		"--save", "", "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning")
-	out := &lockedBuffer{}
+	out := &testutil.SyncBuffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start redis-server: %w", err)
@@ -108,31 +109,4 @@ func start(t testing.TB, bin string) (*Server, error) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-}
-
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
-// lockedBuffer collects the server's output for error messages.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
