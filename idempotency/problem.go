@@ -47,7 +47,7 @@ func (m *Middleware) writeProblem(w http.ResponseWriter, status int, typ, title,
 	h.Set("Cache-Control", "no-store")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	w.WriteHeader(status)
-	w.Write(body)
+	_, _ = w.Write(body) // a client that went away needs no problem document
 }
 
 // retryAfterSeconds renders d as a Retry-After delay: whole seconds, rounded up, at least 1.

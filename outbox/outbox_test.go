@@ -368,8 +368,7 @@ func TestTxPublisher(t *testing.T) {
 	w := newWriter(t, db, outbox.Config{})
 	msg := outbox.NewMessage([]byte("via publisher"))
 	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		var pub message.Publisher = w.TxPublisher(ctx, tx)
-		return pub.Publish("t", msg)
+		return w.TxPublisher(ctx, tx).Publish("t", msg)
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -114,7 +114,11 @@ func run(ctx context.Context, o options) (bool, error) {
 		if err != nil {
 			return false, err
 		}
-		defer pg.Stop()
+		defer func() {
+			if err := pg.Stop(); err != nil {
+				fmt.Fprintln(os.Stderr, "demo: stop embedded postgres:", err)
+			}
+		}()
 		pgURL = pg.URL()
 		fmt.Println("▸ PostgreSQL: throwaway cluster from the installed binaries (DATABASE_URL unset)")
 	} else {
@@ -146,7 +150,9 @@ func run(ctx context.Context, o options) (bool, error) {
 		// On a real server, leave nothing behind; an embedded cluster is removed anyway.
 		cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		pool.Exec(cctx, "DROP SCHEMA IF EXISTS "+pgsql.Ident(schema)+" CASCADE")
+		if _, err := pool.Exec(cctx, "DROP SCHEMA IF EXISTS "+pgsql.Ident(schema)+" CASCADE"); err != nil {
+			fmt.Fprintf(os.Stderr, "demo: drop schema %s: %v\n", schema, err)
+		}
 	}()
 	t := func(name string) string { return pgsql.Table(schema, name) }
 	if _, err := pool.Exec(ctx, `
@@ -173,7 +179,11 @@ func run(ctx context.Context, o options) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	defer consumer.Close()
+	defer func() {
+		if err := consumer.Close(); err != nil {
+			fmt.Fprintln(os.Stderr, "demo: close consumer:", err)
+		}
+	}()
 
 	// Replayer: re-produces a share of what it reads, like a broker redelivering.
 	rctx, stopReplay := context.WithCancel(ctx)

@@ -162,7 +162,7 @@ func loadHTTP(ctx context.Context, h http.Handler, total int, keys *atomic.Int64
 					errc <- err
 					return
 				}
-				io.Copy(io.Discard, res.Body)
+				_, _ = io.Copy(io.Discard, res.Body)
 				res.Body.Close()
 				if res.StatusCode != http.StatusCreated {
 					errc <- fmt.Errorf("status %d", res.StatusCode)

@@ -118,7 +118,7 @@ func produceInboxBench(brokers []string, topic string) error {
 		return fmt.Errorf("kafka admin: %w", err)
 	}
 	err = admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: inboxBenchPartitions, ReplicationFactor: 1}, false)
-	admin.Close()
+	_ = admin.Close()
 	if err != nil {
 		return fmt.Errorf("create topic %s: %w", topic, err)
 	}
@@ -126,7 +126,7 @@ func produceInboxBench(brokers []string, topic string) error {
 	if err != nil {
 		return err
 	}
-	defer producer.Close()
+	defer func() { _ = producer.Close() }()
 	const chunk = 1000
 	for n := 0; n < inboxBenchMessages; n += chunk {
 		batch := make([]*sarama.ProducerMessage, 0, chunk)
@@ -186,7 +186,9 @@ func consumeInboxBench(ctx context.Context, e *env, topic, groupPrefix string, m
 	go func() { runErr <- router.Run(rctx) }()
 	defer func() {
 		cancel()
-		<-runErr
+		if err := <-runErr; err != nil {
+			e.log.Warn("inbox bench router", "err", err)
+		}
 	}()
 	select {
 	case <-finished:

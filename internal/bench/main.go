@@ -108,7 +108,7 @@ func run(ctx context.Context, only string) error {
 		if err != nil {
 			return err
 		}
-		defer pg.Stop()
+		defer stopPostgres(pg)
 		e.pgURL = pg.URL()
 	}
 	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
@@ -136,6 +136,12 @@ func run(ctx context.Context, only string) error {
 	}
 	printTable(all)
 	return nil
+}
+
+func stopPostgres(pg *embedded.Postgres) {
+	if err := pg.Stop(); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: stop embedded postgres:", err)
+	}
 }
 
 func printTable(rs []result) {

@@ -133,8 +133,7 @@ func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error)
 	// reported here rather than as a confusing failure in the first test.
 	conn, err := pgx.Connect(ctx, p.url)
 	if err != nil {
-		p.Stop()
-		return nil, fmt.Errorf("embedded postgres: connect after start: %w", err)
+		return nil, errors.Join(fmt.Errorf("embedded postgres: connect after start: %w", err), p.Stop())
 	}
 	conn.Close(ctx)
 	logf("embedded postgres on port %d started in %s (%s)", port, time.Since(start).Round(time.Millisecond), dir)
