@@ -53,7 +53,8 @@ type KafkaConfig struct {
 //
 // Why franz-go rather than sarama: when a produce request fails with a non-retriable error,
 // franz-go fails that batch and every later record buffered for the same partition, so a
-// message is never acknowledged after an earlier message of the same key failed. sarama's
+// message is never acknowledged after an earlier message of the same key and topic failed
+// (Publish sends a key's rows for a second topic in a later flush). sarama's
 // idempotent producer fails the broken batch alone, bumps its epoch and then sends the
 // partition's next batch, which reorders a key (e.g. a 100-message SendMessages with the first
 // produce request rejected publishes messages 1..99 and fails message 0).
@@ -136,25 +137,50 @@ func (s *KafkaSink) Close() error {
 }
 
 // Publish implements Sink.
+//
+// franz-go keeps failures gapless per partition, and a key maps to one partition per topic.
+// So the rows of a key go out in one flush only as long as they share a topic: from the first
+// row whose topic differs from its key's previous row in the call, the key's rows wait for a
+// later round (one more flush), sent only if every earlier row of the key was acknowledged.
+// Batches whose keys keep to one topic take a single round.
 func (s *KafkaSink) Publish(ctx context.Context, msgs []*Message, errs []error) {
+	rounds := [][]int{make([]int, 0, len(msgs))}
+	last := make(map[string]string, len(msgs)) // block key → topic of its latest row
+	round := make(map[string]int)              // block key → its current round, when > 0
+	for i, m := range msgs {
+		if t, ok := last[m.blockKey]; ok && t != m.Topic {
+			round[m.blockKey]++
+			if round[m.blockKey] == len(rounds) {
+				rounds = append(rounds, nil)
+			}
+		}
+		last[m.blockKey] = m.Topic
+		r := round[m.blockKey]
+		rounds[r] = append(rounds[r], i)
+	}
 	var (
 		mu      sync.Mutex
 		results = make([]error, len(msgs))
-		wg      sync.WaitGroup
-		refused map[string]bool
+		failed  = map[string]bool{} // block keys with a row not acknowledged
 	)
-	for i, m := range msgs {
-		if refused[m.blockKey] {
+	for _, idx := range rounds {
+		s.publishRound(ctx, msgs, idx, errs, results, &mu, failed)
+	}
+}
+
+// publishRound sends msgs[i] for i in idx as one flush and stores their outcomes in errs.
+func (s *KafkaSink) publishRound(ctx context.Context, msgs []*Message, idx []int, errs, results []error, mu *sync.Mutex, failed map[string]bool) {
+	var wg sync.WaitGroup
+	for _, i := range idx {
+		m := msgs[i]
+		if failed[m.blockKey] {
 			errs[i] = ErrHeldBack
 			continue
 		}
 		rec, err := s.record(m)
 		if err != nil {
 			// Refused before sending: later messages of the key must not go out either.
-			if refused == nil {
-				refused = map[string]bool{}
-			}
-			refused[m.blockKey] = true
+			failed[m.blockKey] = true
 			errs[i] = Permanent(err)
 			continue
 		}
@@ -182,21 +208,23 @@ func (s *KafkaSink) Publish(ctx context.Context, msgs []*Message, errs []error) 
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	for i := range msgs {
-		if errs[i] != nil {
-			continue
-		}
-		select {
-		case <-done:
-			errs[i] = classifyKafka(results[i])
-		default:
-			if results[i] != nil {
+	for _, i := range idx {
+		if errs[i] == nil {
+			select {
+			case <-done:
 				errs[i] = classifyKafka(results[i])
-			} else {
-				// Unresolved, or resolved successfully after we stopped waiting: either way the
-				// row stays and is sent again; a duplicate carries the same event id.
-				errs[i] = fmt.Errorf("relay: no acknowledgement before the batch was abandoned: %w", ctx.Err())
+			default:
+				if results[i] != nil {
+					errs[i] = classifyKafka(results[i])
+				} else {
+					// Unresolved, or resolved successfully after we stopped waiting: either way
+					// the row stays and is sent again; a duplicate carries the same event id.
+					errs[i] = fmt.Errorf("relay: no acknowledgement before the batch was abandoned: %w", ctx.Err())
+				}
 			}
+		}
+		if errs[i] != nil {
+			failed[msgs[i].blockKey] = true
 		}
 	}
 }
