@@ -66,8 +66,18 @@ type Config struct {
 }
 
 // NotifyChannel is the LISTEN/NOTIFY channel a write call signals on commit: the schema name
-// followed by "_outbox" ("onceflow_outbox" by default). The payload is empty.
-func NotifyChannel(schema string) string { return schema + "_outbox" }
+// followed by "_outbox" ("onceflow_outbox" by default), cut to 63 bytes, the longest channel
+// name PostgreSQL accepts (pg_notify refuses longer ones, which would fail every write to a
+// schema named with 57 bytes or more). Schemas sharing those 63 bytes share the channel; a
+// relay woken for the other schema just finds nothing new. The payload is empty.
+func NotifyChannel(schema string) string {
+	const maxChannel = 63 // NAMEDATALEN - 1
+	c := schema + "_outbox"
+	if len(c) > maxChannel {
+		c = c[:maxChannel] // schema names are ASCII (pgsql.ValidateSchema)
+	}
+	return c
+}
 
 // Writer inserts messages into the outbox. It is safe for concurrent use.
 type Writer struct {
