@@ -133,8 +133,9 @@ func (l *leases) giveBack(ctx context.Context, shards []int, epochs []int64) err
 	return nil
 }
 
-// run renews, acquires and rebalances until ctx is done.
-func (l *leases) run(ctx context.Context) {
+// run renews, acquires and rebalances until ctx is done, or until it finds the lease table
+// resharded to another count, which it reports through stop.
+func (l *leases) run(ctx context.Context, stop func(error)) {
 	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
@@ -148,6 +149,10 @@ func (l *leases) run(ctx context.Context) {
 		tctx, cancel := context.WithTimeout(ctx, l.cfg.LeaseDuration)
 		err := l.tick(tctx)
 		cancel()
+		if errors.Is(err, ErrShardCountMismatch) {
+			stop(err)
+			return
+		}
 		if err != nil && ctx.Err() == nil {
 			l.m.Failed(FailDatabase, 1)
 			l.log.Warn("relay lease renewal failed; publishing continues until the lease fence, then stops until the database answers again",
@@ -182,11 +187,13 @@ func (l *leases) tick(ctx context.Context) error {
 	b.Queue(l.q.heartbeat, l.cfg.InstanceID, l.host, l.pid, secs)
 	b.Queue(l.q.renew, l.cfg.InstanceID, secs, shards, epochs)
 	b.Queue(l.q.members)
+	b.Queue(l.q.shardCount)
 	if cleanup {
 		b.Queue(l.q.forgetMembers)
 	}
 	renewed := map[int]int64{}
 	var members []string
+	var tableShards int
 	err := func() error {
 		br := l.pool.SendBatch(ctx, b)
 		defer func() { _ = br.Close() }() // closed explicitly below on success
@@ -210,6 +217,9 @@ func (l *leases) tick(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("read members: %w", err)
 		}
+		if err := br.QueryRow().Scan(&tableShards); err != nil {
+			return fmt.Errorf("read shard count: %w", err)
+		}
 		if cleanup {
 			if _, err := br.Exec(); err != nil {
 				return fmt.Errorf("forget dead members: %w", err)
@@ -219,6 +229,19 @@ func (l *leases) tick(ctx context.Context) error {
 	}()
 	if err != nil {
 		return err
+	}
+	if tableShards != l.cfg.Shards {
+		// Resharded while this relay was cut off or paused: its leases are gone with the old
+		// table, and the shards of the new one mean other keys. Stop publishing at once.
+		l.mu.Lock()
+		clear(l.owned)
+		clear(l.release)
+		if l.inflight != nil {
+			l.inflight()
+		}
+		l.m.OwnedShards(0)
+		l.mu.Unlock()
+		return shardMismatch(l.cfg, tableShards)
 	}
 
 	target := fairShare(members, l.cfg.InstanceID, l.cfg.Shards)
@@ -263,7 +286,7 @@ func (l *leases) tick(ctx context.Context) error {
 	}
 
 	if need > 0 {
-		rows, err := l.pool.Query(ctx, l.q.acquire, l.cfg.InstanceID, secs, need, mine)
+		rows, err := l.pool.Query(ctx, l.q.acquire, l.cfg.InstanceID, secs, need, mine, l.cfg.Shards)
 		if err != nil {
 			return fmt.Errorf("acquire shards: %w", err)
 		}

@@ -74,7 +74,8 @@ func New(pool *pgxpool.Pool, sink Sink, cfg Config) (*Relay, error) {
 func (r *Relay) Config() Config { return r.cfg }
 
 // ErrShardCountMismatch is returned by Run when the lease table was set up with a different
-// number of shards than Config.Shards.
+// number of shards than Config.Shards, at start or because it was resharded while this relay
+// was cut off from the database or paused (its leases had expired, so Reshard went ahead).
 var ErrShardCountMismatch = errors.New("relay: shard count differs from the lease table")
 
 // ErrNotMigrated is returned by Run when the schema lacks the relay's tables.
@@ -82,9 +83,10 @@ var ErrNotMigrated = errors.New("relay: schema is not migrated")
 
 // Run publishes until ctx is cancelled, then lets the batch in flight finish (up to
 // Config.ShutdownTimeout), releases its leases so other relays take over at once, and returns
-// nil. It returns an error only when it cannot start: schema not migrated, shard count
-// mismatch, already running. Database and broker failures while running are logged, counted
-// and retried, never returned.
+// nil. It returns an error only when it cannot start (schema not migrated, shard count
+// mismatch, already running) or when the lease table was resharded under it
+// (ErrShardCountMismatch, after stopping as on cancellation). Database and broker failures
+// while running are logged, counted and retried, never returned.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return errors.New("relay: Run called while already running")
@@ -94,9 +96,12 @@ func (r *Relay) Run(ctx context.Context) error {
 		return err
 	}
 	bg, stopBg := context.WithCancel(context.WithoutCancel(ctx))
+	// The lease goroutine stops the loop when the lease table no longer has our shard count.
+	lctx, stopLoop := context.WithCancelCause(ctx)
+	defer stopLoop(nil)
 	var wg sync.WaitGroup
 	wg.Add(1)
-	go func() { defer wg.Done(); r.leases.run(bg) }()
+	go func() { defer wg.Done(); r.leases.run(bg, stopLoop) }()
 	if !r.cfg.DisableListen {
 		wg.Add(1)
 		go func() { defer wg.Done(); r.listen(bg) }()
@@ -110,7 +115,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	r.log.Info("relay started", "schema", r.cfg.Schema, "shards", r.cfg.Shards, "batch_size", r.cfg.BatchSize,
 		"poll_interval", r.cfg.PollInterval, "lease_duration", r.cfg.LeaseDuration)
 
-	r.loop(ctx)
+	r.loop(lctx)
 
 	stopBg()
 	wg.Wait()
@@ -119,6 +124,10 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer cancel()
 	if err := r.leases.releaseAll(rctx); err != nil {
 		r.log.Warn("relay could not release its leases; other relays take over when they expire", "err", err, "within", r.cfg.FailoverBound())
+	}
+	if err := context.Cause(lctx); errors.Is(err, ErrShardCountMismatch) {
+		r.log.Error("relay stopped: the lease table was resharded while it ran", "err", err)
+		return err
 	}
 	r.log.Info("relay stopped")
 	return nil
@@ -159,11 +168,16 @@ func (r *Relay) prepare(ctx context.Context) error {
 			return nil
 		}
 		if n != r.cfg.Shards || maxShard != n-1 {
-			return fmt.Errorf("%w: the lease table in schema %q has %d shards, this relay is configured with %d. Every relay of a schema must use the same count: start it with --shards %d (Config.Shards), or stop every relay and change the count with `onceflow relay --reshard --shards %d` (relay.Reshard)",
-				ErrShardCountMismatch, r.cfg.Schema, n, r.cfg.Shards, n, r.cfg.Shards)
+			return shardMismatch(r.cfg, n)
 		}
 		return nil
 	})
+}
+
+// shardMismatch is the error for a lease table holding n shards while cfg has another count.
+func shardMismatch(cfg Config, n int) error {
+	return fmt.Errorf("%w: the lease table in schema %q has %d shards, this relay is configured with %d. Every relay of a schema must use the same count: start it with --shards %d (Config.Shards), or stop every relay and change the count with `onceflow relay --reshard --shards %d` (relay.Reshard)",
+		ErrShardCountMismatch, cfg.Schema, n, cfg.Shards, n, cfg.Shards)
 }
 
 func shardCount(ctx context.Context, tx pgx.Tx, q *queries) (n, maxShard int, err error) {

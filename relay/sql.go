@@ -12,6 +12,7 @@ type queries struct {
 	outbox, lease, member, parked string
 
 	heartbeat, renew, members, forgetMembers, acquire, release, leave string
+	shardCount                                                        string
 	deleteAcked, countFailure, park                                   string
 	stats                                                             string
 }
@@ -33,12 +34,16 @@ func newQueries(schema string) *queries {
 		WHERE l.shard = o.shard AND l.epoch = o.epoch AND l.owner = $1
 		RETURNING l.shard, l.epoch`
 	q.members = `SELECT id FROM ` + q.member + ` WHERE expires_at > now() ORDER BY id`
+	// The lease table always holds shards 0..n-1 (prepare and Reshard create it so): its last
+	// shard, read from the primary key, gives the count without a scan.
+	q.shardCount = `SELECT coalesce(max(shard), -1) + 1 FROM ` + q.lease
 	q.forgetMembers = `DELETE FROM ` + q.member + ` WHERE expires_at < now() - interval '1 hour'`
 	// Free, expired, or recorded as ours but not held by this process (a restart with the same
-	// instance id): the epoch moves on, fencing off whatever held it before.
+	// instance id): the epoch moves on, fencing off whatever held it before. Nothing is taken
+	// from a table resharded to another count than this relay's ($5) since it started.
 	q.acquire = `UPDATE ` + q.lease + ` AS l
 		SET owner = $1, epoch = l.epoch + 1, expires_at = now() + make_interval(secs => $2::float8), acquired_at = now()
-		WHERE l.shard IN (
+		WHERE (` + q.shardCount + `) = $5 AND l.shard IN (
 			SELECT shard FROM ` + q.lease + `
 			WHERE (owner = '' OR expires_at < now() OR owner = $1) AND shard <> ALL($4::int[])
 			ORDER BY (owner = $1) DESC, shard
