@@ -57,8 +57,8 @@ func IsPermanent(err error) bool {
 type PublisherSinkConfig struct {
 	// IsPermanent decides whether an error returned by the publisher will repeat forever for
 	// that message. Default: sarama's non-retriable broker errors and its client-side
-	// "message too large" (what a watermill-kafka publisher returns), plus errors wrapped with
-	// Permanent. Everything else is retried with backoff and never parks a row.
+	// "message too large" and its marshaler's refusal of metadata using the UUID header (what a
+	// watermill-kafka publisher returns), plus errors wrapped with Permanent. Everything else is retried with backoff and never parks a row.
 	IsPermanent func(error) bool
 }
 
@@ -120,6 +120,10 @@ func defaultIsPermanent(err error) bool {
 	// sarama refuses an oversized message client-side with a ConfigurationError.
 	var ce sarama.ConfigurationError
 	if errors.As(err, &ce) && strings.Contains(string(ce), "MaxMessageBytes") {
+		return true
+	}
+	// watermill-kafka's marshalers refuse metadata using the UUID header (a plain error).
+	if strings.Contains(err.Error(), "metadata "+UUIDHeader+" is reserved") {
 		return true
 	}
 	var kerr sarama.KError

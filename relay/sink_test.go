@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/IBM/sarama"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -75,5 +76,27 @@ func TestPublisherSinkKeepsKeyOrder(t *testing.T) {
 				t.Errorf("sent %v, want %v", pub.sent, c.sent)
 			}
 		})
+	}
+}
+
+// TestDefaultIsPermanentReservedHeader: watermill-kafka's marshaler refuses a message whose
+// metadata uses the header that carries the message UUID, on every attempt. That refusal must
+// count toward the row's attempt limit (and park it, as the Kafka sink does), not be retried
+// as transient forever with every later row of its key stuck behind it.
+func TestDefaultIsPermanentReservedHeader(t *testing.T) {
+	m := msg(1, "K")
+	m.Metadata[UUIDHeader] = "some-id"
+	for name, marshaler := range map[string]kafka.Marshaler{
+		"default":      kafka.DefaultMarshaler{},
+		"partitioning": kafka.NewWithPartitioningMarshaler(func(string, *message.Message) (string, error) { return "K", nil }),
+	} {
+		_, err := marshaler.Marshal("t", m.Watermill())
+		if err == nil {
+			t.Fatalf("%s marshaler accepted metadata %s", name, UUIDHeader)
+		}
+		err = fmt.Errorf("cannot marshal message %s: %w", m.EventID, err) // as the publisher wraps it
+		if !defaultIsPermanent(err) {
+			t.Errorf("%s marshaler's refusal %q classified transient: the row would never be parked", name, err)
+		}
 	}
 }
