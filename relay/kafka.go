@@ -177,6 +177,13 @@ func (s *KafkaSink) publishRound(ctx context.Context, msgs []*Message, idx []int
 			errs[i] = ErrHeldBack
 			continue
 		}
+		if err := ctx.Err(); err != nil {
+			// Cancelled (lost lease, shutdown): do not buffer records a later round could only
+			// wait for; the rows stay and are sent again.
+			failed[m.blockKey] = true
+			errs[i] = fmt.Errorf("relay: not sent, the batch was abandoned: %w", err)
+			continue
+		}
 		rec, err := s.record(m)
 		if err != nil {
 			// Refused before sending: later messages of the key must not go out either.
