@@ -543,11 +543,13 @@ func (m *Middleware) send(w http.ResponseWriter, status int, h http.Header, body
 	}
 }
 
-// storedHeaders keeps the allow-listed headers of a response.
+// storedHeaders keeps the allow-listed headers of a response. A header present without values
+// is kept too: a nil Content-Type is how a handler tells net/http not to sniff one, and the
+// replay must not gain a sniffed Content-Type the first response did not have.
 func (m *Middleware) storedHeaders(h http.Header) map[string][]string {
 	out := make(map[string][]string, len(m.cfg.StoredHeaders))
 	for _, name := range m.cfg.StoredHeaders {
-		if v, ok := h[name]; ok && len(v) > 0 {
+		if v, ok := h[name]; ok {
 			out[name] = v
 		}
 	}

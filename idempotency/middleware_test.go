@@ -1077,3 +1077,28 @@ func TestImplicitStatusAndSniffedTypeReplayAlike(t *testing.T) {
 		t.Fatalf("handler ran %d times; want 2", f.runs.Load())
 	}
 }
+
+// A handler that suppresses Content-Type sniffing (a nil Content-Type, as net/http documents)
+// gets no Content-Type on its first response; the replay must not gain a sniffed one.
+func TestSuppressedContentTypeReplaysAlike(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.Header()["Content-Type"] = nil // net/http: do not sniff
+			w.WriteHeader(http.StatusCreated)
+			io.WriteString(w, "<html><body>created</body></html>")
+		})
+	})
+	first := f.send(t, "POST", "/x", "alice", `"k"`, "")
+	again := f.send(t, "POST", "/x", "alice", `"k"`, "")
+	if !again.replayed() || !bytes.Equal(first.body, again.body) || f.runs.Load() != 1 {
+		t.Fatalf("replay: %d replayed=%v %q (runs %d)", again.status, again.replayed(), again.body, f.runs.Load())
+	}
+	if _, ok := first.header["Content-Type"]; ok {
+		t.Fatalf("first response has Content-Type %q; the handler suppressed it", first.header.Get("Content-Type"))
+	}
+	if ct, ok := again.header["Content-Type"]; ok {
+		t.Fatalf("the replay has Content-Type %q; the first response had none", ct)
+	}
+}
