@@ -1102,3 +1102,32 @@ func TestSuppressedContentTypeReplaysAlike(t *testing.T) {
 		t.Fatalf("the replay has Content-Type %q; the first response had none", ct)
 	}
 }
+
+// CanonicalJSON must never make two different requests one: bodies whose strings differ only in
+// what a JSON decoder replaces by U+FFFD (lone surrogate escapes, invalid UTF-8 bytes) are
+// different commands, and a key reused across them is refused, not replayed.
+func TestCanonicalJSONKeepsLossyStringsApart(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idempotency.Config{CanonicalJSON: true}, func(runs *atomic.Int64) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.WriteHeader(http.StatusCreated)
+		})
+	})
+	for i, c := range [][2]string{
+		{`{"item":"\ud800"}`, `{"item":"\udfff"}`},     // two lone surrogates
+		{`{"item":"\ud800"}`, `{"item":"\ufffd"}`},     // a lone surrogate and U+FFFD itself
+		{"{\"item\":\"\xff\"}", "{\"item\":\"\xfe\"}"}, // two invalid UTF-8 bytes
+	} {
+		key := fmt.Sprintf(`"k%d"`, i)
+		first := f.send(t, "POST", "/orders", "alice", key, c[0], "Content-Type", "application/json")
+		if first.status != http.StatusCreated {
+			t.Fatalf("case %d: first: %d %s", i, first.status, first.body)
+		}
+		r := f.send(t, "POST", "/orders", "alice", key, c[1], "Content-Type", "application/json")
+		wantProblem(t, r, http.StatusUnprocessableEntity, idempotency.ProblemKeyReused)
+	}
+	if n := f.runs.Load(); n != 3 {
+		t.Fatalf("handler ran %d times; want 3", n)
+	}
+}
