@@ -42,7 +42,8 @@ func isJSON(contentType string) bool {
 // canonicalJSON re-encodes one JSON value with object keys sorted and no insignificant
 // whitespace. Numbers keep their literal text (1.0 and 1 differ); string escapes are
 // normalised (\u0041 equals A); for a duplicated object key the last value wins. ok is false
-// when body is not exactly one JSON value; the caller then fingerprints the raw bytes.
+// when body is not exactly one JSON value, or when decoding it would lose characters (invalid
+// UTF-8, lone surrogate escapes); the caller then fingerprints the raw bytes.
 func canonicalJSON(body []byte) (out []byte, ok bool) {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
@@ -59,5 +60,11 @@ func canonicalJSON(body []byte) (out []byte, ok bool) {
 	if err := enc.Encode(v); err != nil {
 		return nil, false
 	}
-	return bytes.TrimSuffix(buf.Bytes(), []byte("\n")), true
+	out = bytes.TrimSuffix(buf.Bytes(), []byte("\n"))
+	// The decoder turns invalid UTF-8 and lone surrogate escapes into U+FFFD, so different
+	// bodies would share one canonical form; fingerprint such bodies by their raw bytes.
+	if bytes.Contains(out, []byte("\uFFFD")) || bytes.Contains(out, []byte(`\ufffd`)) {
+		return nil, false
+	}
+	return out, true
 }

@@ -460,14 +460,8 @@ func (m *Middleware) claim(ctx context.Context, pc *pgxpool.Conn, lock int64, ow
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
 	if m.cfg.WaitInFlight > 0 {
-		// Wait for the holder under lock_timeout, so the waiter wakes the moment the first
-		// request ends (timing out raises 55P03); then put the caller's lock_timeout back for
-		// the handler, by way of a transaction-local custom setting.
 		ms := max(m.cfg.WaitInFlight.Milliseconds(), 1) // 0 would mean "wait forever"
-		b.Queue(`SELECT set_config('onceflow.lock_timeout', current_setting('lock_timeout'), true)`)
-		b.Queue(`SELECT set_config('lock_timeout', $1, true)`, strconv.FormatInt(ms, 10)+"ms")
-		b.Queue(`SELECT pg_advisory_xact_lock($1)`, lock)
-		b.Queue(`SELECT set_config('lock_timeout', current_setting('onceflow.lock_timeout'), true)`)
+		b.Queue(waitLockSQL, strconv.FormatInt(ms, 10)+"ms", lock)
 		held = true
 	} else {
 		b.Queue(`SELECT pg_try_advisory_xact_lock($1)`, lock).QueryRow(func(row pgx.Row) error { return row.Scan(&held) })
@@ -495,6 +489,19 @@ func (m *Middleware) claim(ctx context.Context, pc *pgxpool.Conn, lock int64, ow
 	}
 	return tx, held, rec, nil
 }
+
+// waitLockSQL waits for the key's lock ($2) under lock_timeout $1, so the waiter wakes the
+// moment the first request ends (timing out raises 55P03), and then puts the caller's
+// lock_timeout back for the handler — in one statement. Each subquery level runs before the
+// one around it (they are not flattened: their target lists call volatile functions), which
+// orders the steps: save the setting, shorten it, wait for the lock, restore the setting. A
+// setting changed by set_config applies at once, also to a lock wait later in the statement.
+const waitLockSQL = `SELECT set_config('lock_timeout', saved, true), shortened, locked FROM (
+	SELECT saved, shortened, pg_advisory_xact_lock($2) AS locked FROM (
+		SELECT saved, set_config('lock_timeout', $1, true) AS shortened FROM (
+			SELECT current_setting('lock_timeout') AS saved OFFSET 0) AS save
+		OFFSET 0) AS shorten
+	OFFSET 0) AS wait`
 
 func isLockTimeout(err error) bool {
 	var pgErr *pgconn.PgError
@@ -543,11 +550,13 @@ func (m *Middleware) send(w http.ResponseWriter, status int, h http.Header, body
 	}
 }
 
-// storedHeaders keeps the allow-listed headers of a response.
+// storedHeaders keeps the allow-listed headers of a response. A header present without values
+// is kept too: a nil Content-Type is how a handler tells net/http not to sniff one, and the
+// replay must not gain a sniffed Content-Type the first response did not have.
 func (m *Middleware) storedHeaders(h http.Header) map[string][]string {
 	out := make(map[string][]string, len(m.cfg.StoredHeaders))
 	for _, name := range m.cfg.StoredHeaders {
-		if v, ok := h[name]; ok && len(v) > 0 {
+		if v, ok := h[name]; ok {
 			out[name] = v
 		}
 	}

@@ -1077,3 +1077,57 @@ func TestImplicitStatusAndSniffedTypeReplayAlike(t *testing.T) {
 		t.Fatalf("handler ran %d times; want 2", f.runs.Load())
 	}
 }
+
+// A handler that suppresses Content-Type sniffing (a nil Content-Type, as net/http documents)
+// gets no Content-Type on its first response; the replay must not gain a sniffed one.
+func TestSuppressedContentTypeReplaysAlike(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.Header()["Content-Type"] = nil // net/http: do not sniff
+			w.WriteHeader(http.StatusCreated)
+			io.WriteString(w, "<html><body>created</body></html>")
+		})
+	})
+	first := f.send(t, "POST", "/x", "alice", `"k"`, "")
+	again := f.send(t, "POST", "/x", "alice", `"k"`, "")
+	if !again.replayed() || !bytes.Equal(first.body, again.body) || f.runs.Load() != 1 {
+		t.Fatalf("replay: %d replayed=%v %q (runs %d)", again.status, again.replayed(), again.body, f.runs.Load())
+	}
+	if _, ok := first.header["Content-Type"]; ok {
+		t.Fatalf("first response has Content-Type %q; the handler suppressed it", first.header.Get("Content-Type"))
+	}
+	if ct, ok := again.header["Content-Type"]; ok {
+		t.Fatalf("the replay has Content-Type %q; the first response had none", ct)
+	}
+}
+
+// CanonicalJSON must never make two different requests one: bodies whose strings differ only in
+// what a JSON decoder replaces by U+FFFD (lone surrogate escapes, invalid UTF-8 bytes) are
+// different commands, and a key reused across them is refused, not replayed.
+func TestCanonicalJSONKeepsLossyStringsApart(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, idempotency.Config{CanonicalJSON: true}, func(runs *atomic.Int64) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			w.WriteHeader(http.StatusCreated)
+		})
+	})
+	for i, c := range [][2]string{
+		{`{"item":"\ud800"}`, `{"item":"\udfff"}`},     // two lone surrogates
+		{`{"item":"\ud800"}`, `{"item":"\ufffd"}`},     // a lone surrogate and U+FFFD itself
+		{"{\"item\":\"\xff\"}", "{\"item\":\"\xfe\"}"}, // two invalid UTF-8 bytes
+	} {
+		key := fmt.Sprintf(`"k%d"`, i)
+		first := f.send(t, "POST", "/orders", "alice", key, c[0], "Content-Type", "application/json")
+		if first.status != http.StatusCreated {
+			t.Fatalf("case %d: first: %d %s", i, first.status, first.body)
+		}
+		r := f.send(t, "POST", "/orders", "alice", key, c[1], "Content-Type", "application/json")
+		wantProblem(t, r, http.StatusUnprocessableEntity, idempotency.ProblemKeyReused)
+	}
+	if n := f.runs.Load(); n != 3 {
+		t.Fatalf("handler ran %d times; want 3", n)
+	}
+}

@@ -539,3 +539,51 @@ func TestConfigValidation(t *testing.T) {
 		t.Errorf("long consumer: %v", err)
 	}
 }
+
+// The handler must not end the inbox transaction. A handler written in the usual pgx style
+// (commit at the end, defer a rollback) would otherwise commit the dedup row and its effect
+// without the messages it returns — the middleware could no longer write them, the message
+// would be nacked, and its redelivery skipped as a duplicate: the events lost for good. Or its
+// deferred rollback would undo every attempt, so the message could never be processed.
+func TestHandlerCannotEndTheTransaction(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, nil)
+	leaked := make(chan pgx.Tx, 1)
+	h := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
+		ctx := msg.Context()
+		tx := inbox.Tx(ctx)
+		defer tx.Rollback(ctx) // the pgx idiom for a transaction one owns: must change nothing
+		if err := applyEffect(msg, ""); err != nil {
+			return nil, err
+		}
+		// Savepoints are the handler's to end.
+		if err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return applyEffect(msg, "savepoint") }); err != nil {
+			return nil, err
+		}
+		if err := tx.Commit(ctx); !errors.Is(err, inbox.ErrTxManaged) {
+			t.Errorf("Commit = %v; want ErrTxManaged", err)
+		}
+		if err := tx.Rollback(ctx); !errors.Is(err, inbox.ErrTxManaged) {
+			t.Errorf("Rollback = %v; want ErrTxManaged", err)
+		}
+		select {
+		case leaked <- tx:
+		default:
+		}
+		return []*message.Message{inbox.ToTopic(outbox.NewMessage([]byte("event")), "events")}, nil
+	})
+	msg := outbox.NewMessage([]byte("x"))
+	for i := range 2 {
+		if _, err := h(msg.Copy()); err != nil {
+			t.Errorf("delivery %d: %v", i+1, err)
+		}
+	}
+	if n, rows := f.effects(msg.UUID), f.outboxRows(); n != 2 || len(rows) != 1 || f.dedupRows() != 1 {
+		t.Fatalf("%d effect rows, %d outbox rows, %d dedup rows; want the effect and its savepoint, one event, one dedup row", n, len(rows), f.dedupRows())
+	}
+	// A reference kept past the handler's return cannot write on the pooled connection.
+	tx := <-leaked
+	if _, err := tx.Exec(context.Background(), `INSERT INTO effect (msg_uuid) VALUES ('late')`); !errors.Is(err, pgx.ErrTxClosed) {
+		t.Fatalf("Exec on a leaked transaction = %v; want ErrTxClosed", err)
+	}
+}
