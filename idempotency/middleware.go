@@ -36,7 +36,6 @@ import (
 	"io"
 	"net/http"
 	"strconv"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -128,112 +127,6 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	tx, ok := ctx.Value(ctxKey{}).(pgx.Tx)
 	return tx, ok && tx != nil
 }
-
-// managedTx is the handler's view of the request transaction: everything but ending it, and
-// nothing at all once the handler has returned (a goroutine that kept it must not write on a
-// connection that is back in the pool).
-type managedTx struct {
-	pgx.Tx
-	guard  *txGuard
-	nested bool // a savepoint from Begin: the handler may commit or roll it back
-}
-
-// txGuard closes every view of the request transaction at once.
-type txGuard struct{ closed atomic.Bool }
-
-func (g *txGuard) close() { g.closed.Store(true) }
-
-func (t *managedTx) check() error {
-	if t.guard.closed.Load() {
-		return pgx.ErrTxClosed
-	}
-	return nil
-}
-
-func (t *managedTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if err := t.check(); err != nil {
-		return nil, err
-	}
-	sp, err := t.Tx.Begin(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return &managedTx{Tx: sp, guard: t.guard, nested: true}, nil
-}
-
-func (t *managedTx) Commit(ctx context.Context) error {
-	if !t.nested {
-		return ErrTxManaged
-	}
-	if err := t.check(); err != nil {
-		return err
-	}
-	return t.Tx.Commit(ctx)
-}
-
-func (t *managedTx) Rollback(ctx context.Context) error {
-	if !t.nested {
-		return ErrTxManaged
-	}
-	if err := t.check(); err != nil {
-		return err
-	}
-	return t.Tx.Rollback(ctx)
-}
-
-func (t *managedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
-	if err := t.check(); err != nil {
-		return 0, err
-	}
-	return t.Tx.CopyFrom(ctx, table, cols, src)
-}
-
-func (t *managedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	if err := t.check(); err != nil {
-		return errBatch{err}
-	}
-	return t.Tx.SendBatch(ctx, b)
-}
-
-func (t *managedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if err := t.check(); err != nil {
-		return nil, err
-	}
-	return t.Tx.Prepare(ctx, name, sql)
-}
-
-func (t *managedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if err := t.check(); err != nil {
-		return pgconn.CommandTag{}, err
-	}
-	return t.Tx.Exec(ctx, sql, args...)
-}
-
-func (t *managedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if err := t.check(); err != nil {
-		return nil, err
-	}
-	return t.Tx.Query(ctx, sql, args...)
-}
-
-func (t *managedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if err := t.check(); err != nil {
-		return errRow{err}
-	}
-	return t.Tx.QueryRow(ctx, sql, args...)
-}
-
-type errRow struct{ err error }
-
-func (r errRow) Scan(...any) error { return r.err }
-
-type errBatch struct{ err error }
-
-func (b errBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, b.err }
-func (b errBatch) Query() (pgx.Rows, error)         { return nil, b.err }
-func (b errBatch) QueryRow() pgx.Row                { return errRow(b) }
-func (b errBatch) Close() error                     { return b.err }
-func (b errBatch) Tx() pgx.Tx                       { return nil }
 
 // record is a stored response.
 type record struct {
@@ -346,10 +239,11 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		m.storageFailure(w, start, "begin transaction", err)
 		return
 	}
-	guard := &txGuard{}
+	// The handler's view of tx cannot end it, and is closed once the handler is done.
+	htx, closeView := pgsql.ManagedTx(tx, ErrTxManaged)
 	ended := false
 	rollback := func() {
-		guard.close()
+		closeView()
 		if ended {
 			return
 		}
@@ -382,7 +276,6 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	// First request (or the first since the record expired): run the handler inside the
 	// transaction, holding its response back.
 	bw := newBufferWriter(w)
-	htx := pgx.Tx(&managedTx{Tx: tx, guard: guard})
 	hctx := outbox.ContextWithTx(context.WithValue(ctx, ctxKey{}, htx), htx)
 	returned := false
 	defer func() {
@@ -394,7 +287,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	}()
 	next.ServeHTTP(bw, r.WithContext(hctx))
 	returned = true
-	guard.close() // the handler is done with the transaction, whatever it kept a reference to
+	closeView() // the handler is done with the transaction, whatever it kept a reference to
 	bw.finish()
 
 	if !m.cfg.Store(bw.status) {

@@ -35,14 +35,12 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
@@ -208,10 +206,10 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 
 	// The handler gets a view of tx that cannot end it: a handler that committed would commit
 	// the dedup row without the messages it returns, whose redelivery is then skipped.
-	view := &handlerTx{Tx: tx, done: new(atomic.Bool)}
+	view, closeView := pgsql.ManagedTx(tx, ErrTxManaged)
 	msg.SetContext(outbox.ContextWithTx(orig, view))
 	produced, err := h(msg)
-	view.done.Store(true) // whatever the handler kept a reference to
+	closeView() // whatever the handler kept a reference to
 	if err != nil {
 		// Returned unwrapped so errors.Is/As and poison-queue reasons see the handler's error.
 		return nil, err
@@ -371,95 +369,3 @@ func (OutboxOnly) Close() error { return nil }
 // the middleware commits it after writing the handler's returned messages, or rolls it back
 // when the handler fails. To abort, return an error from the handler.
 var ErrTxManaged = errors.New("inbox: the middleware commits or rolls back this transaction itself (after writing the handler's returned messages); to abort, return an error from the handler")
-
-// handlerTx is the handler's view of the inbox transaction: everything but ending it, and
-// nothing at all once the handler has returned. Savepoints (Begin) are the handler's to end.
-type handlerTx struct {
-	pgx.Tx
-	done   *atomic.Bool
-	nested bool // a savepoint from Begin
-}
-
-func (t *handlerTx) check() error {
-	if t.done.Load() {
-		return pgx.ErrTxClosed
-	}
-	return nil
-}
-
-func (t *handlerTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if err := t.check(); err != nil {
-		return nil, err
-	}
-	sp, err := t.Tx.Begin(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return &handlerTx{Tx: sp, done: t.done, nested: true}, nil
-}
-
-func (t *handlerTx) Commit(ctx context.Context) error {
-	if !t.nested {
-		return ErrTxManaged
-	}
-	if err := t.check(); err != nil {
-		return err
-	}
-	return t.Tx.Commit(ctx)
-}
-
-func (t *handlerTx) Rollback(ctx context.Context) error {
-	if !t.nested {
-		return ErrTxManaged
-	}
-	if err := t.check(); err != nil {
-		return err
-	}
-	return t.Tx.Rollback(ctx)
-}
-
-func (t *handlerTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
-	if err := t.check(); err != nil {
-		return 0, err
-	}
-	return t.Tx.CopyFrom(ctx, table, cols, src)
-}
-
-func (t *handlerTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	if err := t.check(); err != nil {
-		return pgx.FailedBatchResults(b, err)
-	}
-	return t.Tx.SendBatch(ctx, b)
-}
-
-func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if err := t.check(); err != nil {
-		return nil, err
-	}
-	return t.Tx.Prepare(ctx, name, sql)
-}
-
-func (t *handlerTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if err := t.check(); err != nil {
-		return pgconn.CommandTag{}, err
-	}
-	return t.Tx.Exec(ctx, sql, args...)
-}
-
-func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if err := t.check(); err != nil {
-		return nil, err
-	}
-	return t.Tx.Query(ctx, sql, args...)
-}
-
-func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if err := t.check(); err != nil {
-		return errRow{err}
-	}
-	return t.Tx.QueryRow(ctx, sql, args...)
-}
-
-type errRow struct{ err error }
-
-func (r errRow) Scan(...any) error { return r.err }
