@@ -136,7 +136,7 @@ type Config struct {
 
 	// Logger receives storage failures, panics and owner errors. Default: discard.
 	Logger *slog.Logger
-	// Metrics observes the outcome of every covered request that carries a key. Default: none.
+	// Metrics observes the outcome of every covered request that carries a key. Default NopMetrics{}.
 	Metrics Metrics
 }
 
@@ -250,6 +250,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Metrics == nil {
+		c.Metrics = NopMetrics{}
 	}
 	if err := errors.Join(problems...); err != nil {
 		return c, fmt.Errorf("idempotency: invalid config: %w", err)

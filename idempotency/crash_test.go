@@ -20,6 +20,7 @@ import (
 
 	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/outbox"
 )
 
 // The crash tests run this test binary again as a child HTTP server (TestMain sees childEnv)
@@ -54,7 +55,7 @@ func runChild(mode string) {
 	switch mode {
 	case "in-flight":
 		app = mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if _, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'lost')`); err != nil {
+			if _, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'lost')`); err != nil {
 				fail(err)
 			}
 			fmt.Println("IN_HANDLER")

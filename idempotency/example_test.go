@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/outbox"
 )
 
 // A POST handler made safe to retry: the order insert and the stored response commit
@@ -35,7 +36,7 @@ func ExampleNew() {
 		item, _ := io.ReadAll(r.Body)
 		var id int64
 		// idempotency.Tx is the request's transaction: the insert commits with the response.
-		err := idempotency.Tx(r.Context()).QueryRow(r.Context(),
+		err := outbox.MustTx(r.Context()).QueryRow(r.Context(),
 			`INSERT INTO orders (item) VALUES ($1) RETURNING id`, item).Scan(&id)
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError) // 5xx: rolled back, not stored

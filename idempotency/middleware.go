@@ -16,7 +16,7 @@
 //	mux.Handle("POST /orders", mw.Require(http.HandlerFunc(createOrder)))
 //
 //	func createOrder(w http.ResponseWriter, r *http.Request) {
-//		tx := idempotency.Tx(r.Context())
+//		tx := outbox.MustTx(r.Context())
 //		_, err := tx.Exec(r.Context(), `INSERT INTO orders ...`)
 //		...
 //	}
@@ -46,15 +46,13 @@ import (
 	"github.com/onceflow/onceflow/outbox"
 )
 
+// errTxManaged is what Commit and Rollback return on the handler's transaction.
+var errTxManaged = fmt.Errorf("%w (idempotency: it commits after storing the response; to abort the handler's writes, respond with a status that is not stored, e.g. 5xx)", outbox.ErrTxManaged)
+
 // storeTimeout bounds storing the record and committing once the handler has returned. The
 // request's own context is not used for that step: a client that hung up after the handler
 // finished should still find the result stored when it retries.
 const storeTimeout = 30 * time.Second
-
-// ErrTxManaged is returned by Commit and Rollback on the transaction handed to a handler: the
-// middleware commits it after storing the response, or rolls it back when the response is not
-// stored. To abort, return a status that Config.Store does not store (any 5xx by default).
-var ErrTxManaged = errors.New("idempotency: the middleware commits or rolls back this transaction itself; to abort the handler's writes, respond with a status that is not stored (e.g. 5xx)")
 
 // Middleware makes covered requests that carry an Idempotency-Key run once. It is safe for
 // concurrent use; build one per configuration and wrap as many handlers as needed.
@@ -108,24 +106,6 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 // Require is Handler with the key mandatory on this route, whatever Config.Required says.
 func (m *Middleware) Require(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { m.serve(w, r, next, true) })
-}
-
-type ctxKey struct{}
-
-// Tx returns the transaction the middleware opened for the request being handled, or nil when
-// the request runs without one (method not covered, or no key on an optional route). Use it
-// for every write that must happen at most once: it commits together with the stored
-// response. Commit and Rollback on it return ErrTxManaged.
-func Tx(ctx context.Context) pgx.Tx {
-	tx, _ := TxFromContext(ctx)
-	return tx
-}
-
-// TxFromContext is Tx with an explicit found flag, for handlers that also serve requests
-// without a key and then open their own transaction.
-func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
-	tx, ok := ctx.Value(ctxKey{}).(pgx.Tx)
-	return tx, ok && tx != nil
 }
 
 // record is a stored response.
@@ -240,7 +220,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		return
 	}
 	// The handler's view of tx cannot end it, and is closed once the handler is done.
-	htx, closeView := pgsql.ManagedTx(tx, ErrTxManaged)
+	htx, closeView := pgsql.ManagedTx(tx, errTxManaged)
 	ended := false
 	rollback := func() {
 		closeView()
@@ -276,7 +256,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	// First request (or the first since the record expired): run the handler inside the
 	// transaction, holding its response back.
 	bw := newBufferWriter(w)
-	hctx := outbox.ContextWithTx(context.WithValue(ctx, ctxKey{}, htx), htx)
+	hctx := outbox.ContextWithTx(ctx, htx)
 	returned := false
 	defer func() {
 		if !returned { // panic or runtime.Goexit: the deferred rollback undoes the handler's writes
@@ -465,9 +445,7 @@ func (m *Middleware) storageFailure(w http.ResponseWriter, start time.Time, step
 }
 
 func (m *Middleware) observe(o Outcome, start time.Time) {
-	if m.cfg.Metrics != nil {
-		m.cfg.Metrics.Observe(o, time.Since(start))
-	}
+	m.cfg.Metrics.Observe(o, time.Since(start))
 }
 
 // lockID maps (schema, owner, key) to the 64-bit advisory lock key. A collision between two

@@ -55,7 +55,7 @@ func orderHandler(runs *atomic.Int64) http.HandlerFunc {
 		ctx := r.Context()
 		body, _ := io.ReadAll(r.Body)
 		var id int64
-		if err := idempotency.Tx(ctx).QueryRow(ctx, `INSERT INTO orders (owner, item) VALUES ($1, $2) RETURNING id`, r.Header.Get("X-User"), string(body)).Scan(&id); err != nil {
+		if err := outbox.MustTx(ctx).QueryRow(ctx, `INSERT INTO orders (owner, item) VALUES ($1, $2) RETURNING id`, r.Header.Get("X-User"), string(body)).Scan(&id); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
@@ -514,7 +514,7 @@ func TestServerErrorRollsBackAndRetryRuns(t *testing.T) {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if fail.Load() {
 				runs.Add(1)
-				tx := idempotency.Tx(r.Context())
+				tx := outbox.MustTx(r.Context())
 				if _, err := tx.Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'doomed')`); err != nil {
 					t.Error(err)
 				}
@@ -546,7 +546,7 @@ func TestPanicRollsBackAndPropagates(t *testing.T) {
 		inner := orderHandler(runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if panicking.Load() {
-				tx := idempotency.Tx(r.Context())
+				tx := outbox.MustTx(r.Context())
 				if _, err := tx.Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'doomed')`); err != nil {
 					t.Error(err)
 				}
@@ -676,7 +676,7 @@ func TestLargeResponseSentOnceNotReplayed(t *testing.T) {
 	f := newFixture(t, idempotency.Config{MaxStoredResponseBytes: 1024}, func(runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
-			if _, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'big')`); err != nil {
+			if _, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'big')`); err != nil {
 				t.Error(err)
 			}
 			w.Header().Set("Content-Type", "text/plain")
@@ -766,7 +766,7 @@ func TestMissingKeyRequiredOrOptional(t *testing.T) {
 	}
 	var sawTx atomic.Int64
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if _, ok := idempotency.TxFromContext(r.Context()); ok {
+		if _, ok := outbox.TxFromContext(r.Context()); ok {
 			sawTx.Add(1)
 		}
 		w.Header().Set("Set-Cookie", "a=b")
@@ -827,7 +827,7 @@ func TestStorePredicate(t *testing.T) {
 			runs.Add(1)
 			code := 0
 			fmt.Sscan(r.URL.Query().Get("status"), &code)
-			if _, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', $1)`, r.URL.RawQuery); err != nil {
+			if _, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', $1)`, r.URL.RawQuery); err != nil {
 				t.Error(err)
 			}
 			w.WriteHeader(code)
@@ -897,12 +897,12 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
 		inner := orderHandler(runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			tx := idempotency.Tx(r.Context())
+			tx := outbox.MustTx(r.Context())
 			leakedc <- tx
-			if err := tx.Commit(r.Context()); !errors.Is(err, idempotency.ErrTxManaged) {
+			if err := tx.Commit(r.Context()); !errors.Is(err, outbox.ErrTxManaged) {
 				t.Errorf("Commit = %v; want ErrTxManaged", err)
 			}
-			if err := tx.Rollback(r.Context()); !errors.Is(err, idempotency.ErrTxManaged) {
+			if err := tx.Rollback(r.Context()); !errors.Is(err, outbox.ErrTxManaged) {
 				t.Errorf("Rollback = %v; want ErrTxManaged", err)
 			}
 			// Savepoints still work inside the request transaction.
@@ -943,7 +943,7 @@ func TestStoreFailureRollsBackEverything(t *testing.T) {
 	f := newFixture(t, idempotency.Config{RetryAfter: 3 * time.Second}, func(runs *atomic.Int64) http.Handler {
 		inner := orderHandler(runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, expires_at)
+			_, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, expires_at)
 				VALUES ('alice', 'k', '\x00', 200, now() + interval '1 hour')`)
 			if err != nil {
 				t.Error(err)
@@ -1039,7 +1039,7 @@ func TestWaitInFlightLeavesLockTimeoutAlone(t *testing.T) {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			var v string
-			if err := idempotency.Tx(r.Context()).QueryRow(r.Context(), `SELECT current_setting('lock_timeout')`).Scan(&v); err != nil {
+			if err := outbox.MustTx(r.Context()).QueryRow(r.Context(), `SELECT current_setting('lock_timeout')`).Scan(&v); err != nil {
 				t.Error(err)
 			}
 			io.WriteString(w, v)

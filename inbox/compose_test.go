@@ -66,7 +66,7 @@ func TestRecommendedMiddlewareOrder(t *testing.T) {
 		case "slow":
 			if n == 1 {
 				// Blocks until Timeout cancels the attempt's context.
-				_, err := inbox.Tx(msg.Context()).Exec(msg.Context(), `SELECT pg_sleep(120)`)
+				_, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `SELECT pg_sleep(120)`)
 				return err
 			}
 		}

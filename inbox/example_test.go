@@ -48,7 +48,7 @@ func Example() {
 	)
 	router.AddHandler("billing", "orders.placed", broker, "billing.invoiced", inbox.OutboxOnly{},
 		func(msg *message.Message) ([]*message.Message, error) {
-			tx := inbox.Tx(msg.Context()) // the inbox transaction: this write commits with the dedup row
+			tx := outbox.MustTx(msg.Context()) // the inbox transaction: this write commits with the dedup row
 			if _, err := tx.Exec(msg.Context(), `INSERT INTO invoice (order_id) VALUES (42)`); err != nil {
 				return nil, err
 			}

@@ -67,7 +67,7 @@ func (f *fixture) newInbox(mod func(*inbox.Config)) *inbox.Inbox {
 
 // applyEffect is the handlers' effect: one row in the inbox transaction.
 func applyEffect(msg *message.Message, note string) error {
-	_, err := inbox.Tx(msg.Context()).Exec(msg.Context(), `INSERT INTO effect (msg_uuid, note) VALUES ($1, $2)`, msg.UUID, note)
+	_, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO effect (msg_uuid, note) VALUES ($1, $2)`, msg.UUID, note)
 	return err
 }
 

@@ -5,7 +5,8 @@
 //
 //   - the dedup row (consumer, key) in processed_event, inserted with ON CONFLICT DO NOTHING:
 //     when it already exists the handler is skipped and the message acknowledged;
-//   - the handler's own writes, made on the transaction it finds with Tx(msg.Context());
+//   - the handler's own writes, made on the transaction it finds with
+//     outbox.MustTx(msg.Context()) (or outbox.TxFromContext);
 //   - the messages the handler returns (or publishes on an outbox.Writer.ContextPublisher
 //     event bus), written to the outbox instead of being published by the router.
 //
@@ -19,10 +20,14 @@
 //	router.AddMiddleware(poisonQueue, retry.Middleware, middleware.Recoverer, ib.Middleware)
 //	router.AddHandler("billing", "orders.placed", sub, "billing.invoiced", inbox.OutboxOnly{},
 //		func(msg *message.Message) ([]*message.Message, error) {
-//			tx := inbox.Tx(msg.Context())
+//			tx := outbox.MustTx(msg.Context())
 //			// ... writes on tx ...
 //			return []*message.Message{outbox.NewMessage(invoice)}, nil
 //		})
+//
+// The middleware is a thin wrapper over the transaction-first core, ClaimTx and SeenTx, which
+// a consumer that is not a Watermill handler (a batch consumer, the saga orchestrator) calls
+// in its own transaction.
 //
 // See docs/inbox.md for the recommended middleware order, the Kafka subscriber settings
 // (package inbox/inboxkafka), retention (Cleaner) and the Redis store for effects outside
@@ -77,15 +82,16 @@ type Config struct {
 	// Logger receives duplicates (debug), dropped messages (warn) and rollback failures.
 	// Default slog.Default().
 	Logger *slog.Logger
-	// Metrics counts processed, duplicate, failed and keyless messages. Default: none.
+	// Metrics counts processed, duplicate, failed and keyless messages. Default NopMetrics{}.
 	Metrics Metrics
 }
 
 // Inbox is the deduplicating middleware of one consumer. It is safe for concurrent use; the
 // router runs it for many messages at once.
 type Inbox struct {
-	cfg       Config
-	insertSQL string
+	cfg                                Config
+	claimOneSQL, claimManySQL, seenSQL string
+	errManaged                         error // what Commit and Rollback on the handler's view return
 }
 
 // New validates cfg, reporting every problem at once, and returns an Inbox.
@@ -123,15 +129,20 @@ func New(cfg Config) (*Inbox, error) {
 		cfg.Logger = slog.Default()
 	}
 	if cfg.Metrics == nil {
-		cfg.Metrics = nopMetrics{}
+		cfg.Metrics = NopMetrics{}
 	}
 	cfg.Logger = cfg.Logger.With("consumer", cfg.Consumer)
+	table := pgsql.Table(cfg.Schema, "processed_event")
 	return &Inbox{
 		cfg: cfg,
 		// ON CONFLICT DO NOTHING rather than catching a unique violation: an error would abort
 		// the transaction, and a concurrent delivery of the same key waits here on the first
 		// one's uncommitted row, then sees it (0 rows: skip) or inserts if the first rolled back.
-		insertSQL: `INSERT INTO ` + pgsql.Table(cfg.Schema, "processed_event") + ` (consumer, dedup_key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+		claimOneSQL:  `INSERT INTO ` + table + ` (consumer, dedup_key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
+		claimManySQL: `INSERT INTO ` + table + ` (consumer, dedup_key) SELECT $1, k FROM unnest($2::text[]) AS u(k) ON CONFLICT DO NOTHING RETURNING dedup_key`,
+		seenSQL:      `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND dedup_key = $2)`,
+		errManaged: fmt.Errorf("%w (inbox consumer %q: it commits after writing the handler's returned messages; to abort, return an error from the handler)",
+			outbox.ErrTxManaged, cfg.Consumer),
 	}, nil
 }
 
@@ -192,11 +203,11 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 		ib.rollback(orig, tx, msg)
 	}()
 
-	tag, err := tx.Exec(orig, ib.insertSQL, ib.cfg.Consumer, key)
+	claimed, err := ib.ClaimTx(orig, tx, key)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: consumer %q: record dedup key %q: %w", ib.cfg.Consumer, key, err)
+		return nil, err
 	}
-	if tag.RowsAffected() == 0 {
+	if !claimed[0] {
 		finished = true
 		ib.rollback(orig, tx, msg)
 		ib.cfg.Metrics.Duplicate(ib.cfg.Consumer)
@@ -206,7 +217,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 
 	// The handler gets a view of tx that cannot end it: a handler that committed would commit
 	// the dedup row without the messages it returns, whose redelivery is then skipped.
-	view, closeView := pgsql.ManagedTx(tx, ErrTxManaged)
+	view, closeView := pgsql.ManagedTx(tx, ib.errManaged)
 	msg.SetContext(outbox.ContextWithTx(orig, view))
 	produced, err := h(msg)
 	closeView() // whatever the handler kept a reference to
@@ -257,93 +268,45 @@ func (ib *Inbox) rollback(ctx context.Context, tx pgx.Tx, msg *message.Message) 
 	}
 }
 
-// MetadataTopic is the metadata key ToTopic sets: the outbox topic of one message a handler
-// returns. The middleware removes it before writing the message.
-const MetadataTopic = "onceflow_topic"
-
-// ToTopic addresses a message the handler returns to topic, overriding the handler's publish
-// topic, so one handler can emit events to several topics. It returns msg for chaining:
-//
-//	return []*message.Message{
-//		inbox.ToTopic(outbox.NewMessage(invoice), "billing.invoiced"),
-//		inbox.ToTopic(outbox.NewMessage(mail), "mail.requested"),
-//	}, nil
-func ToTopic(msg *message.Message, topic string) *message.Message {
-	msg.Metadata.Set(MetadataTopic, topic)
-	return msg
-}
-
 // ErrNoTopic is returned when a handler returns a message the inbox cannot address: the
 // handler was registered without a publish topic and the message was not given one with
-// ToTopic.
+// outbox.ToTopic.
 var ErrNoTopic = errors.New("the handler returned a message but no topic is known for it: " +
 	"register the handler with a publish topic (router.AddHandler(name, subscribeTopic, sub, publishTopic, inbox.OutboxOnly{}, h)) " +
-	"or address the message with inbox.ToTopic(msg, topic)")
+	"or address the message with outbox.ToTopic(msg, topic)")
 
-// IsPermanent reports whether err is an inbox error that retrying the same message cannot
-// fix: a message without a usable key (ErrNoKey), a returned message without a topic
-// (ErrNoTopic) or one the outbox refuses (*outbox.ValidationError). Such messages belong in a
-// poison queue.
-func IsPermanent(err error) bool {
+// IsPoison reports whether err is an inbox error that retrying the same message cannot fix,
+// so the message belongs in a poison queue: a message without a usable key (ErrNoKey), a
+// returned message without a topic (ErrNoTopic) or one the outbox refuses
+// (*outbox.ValidationError).
+func IsPoison(err error) bool {
 	var ve *outbox.ValidationError
 	return errors.Is(err, ErrNoKey) || errors.Is(err, ErrNoTopic) || errors.As(err, &ve)
 }
 
-// ShouldRetry is a middleware.Retry ShouldRetry function that stops retrying permanent
-// inbox errors (IsPermanent), so they reach the poison queue at once:
+// ShouldRetry is a middleware.Retry ShouldRetry function that stops retrying poison messages
+// (IsPoison), so they reach the poison queue at once:
 //
 //	middleware.Retry{MaxRetries: 5, ..., ShouldRetry: inbox.ShouldRetry}
-func ShouldRetry(p middleware.RetryParams) bool { return !IsPermanent(p.Err) }
+func ShouldRetry(p middleware.RetryParams) bool { return !IsPoison(p.Err) }
 
-// writeProduced writes the handler's messages to the outbox in tx, in the order returned.
-// Consecutive messages for the same topic go in one call (one round trip).
+// writeProduced writes the handler's messages to the outbox in tx, in the order returned, in
+// one statement whatever their topics: each goes to its outbox.ToTopic topic, or else to the
+// handler's publish topic.
 func (ib *Inbox) writeProduced(ctx context.Context, tx pgx.Tx, produced []*message.Message) error {
 	defaultTopic := message.PublishTopicFromCtx(ctx)
-	topics := make([]string, len(produced))
-	msgs := make([]*message.Message, len(produced))
 	for i, m := range produced {
 		if m == nil {
 			return fmt.Errorf("inbox: consumer %q: the handler returned a nil message at index %d", ib.cfg.Consumer, i)
 		}
-		topic, routed := m.Metadata[MetadataTopic]
-		if routed {
-			// Write a copy without the routing key; the handler's message stays untouched.
-			m = m.Copy()
-			delete(m.Metadata, MetadataTopic)
-		} else {
-			topic = defaultTopic
-		}
-		if topic == "" {
+		if outbox.TopicOf(m, defaultTopic) == "" {
 			return fmt.Errorf("inbox: consumer %q: message %d (uuid %q): %w", ib.cfg.Consumer, i, m.UUID, ErrNoTopic)
 		}
-		topics[i], msgs[i] = topic, m
 	}
-	for start := 0; start < len(msgs); {
-		end := start + 1
-		for end < len(msgs) && topics[end] == topics[start] {
-			end++
-		}
-		if err := ib.cfg.Writer.WriteTx(ctx, tx, topics[start], msgs[start:end]...); err != nil {
-			return fmt.Errorf("inbox: consumer %q: write the handler's messages to the outbox: %w", ib.cfg.Consumer, err)
-		}
-		start = end
+	if err := ib.cfg.Writer.WriteTx(ctx, tx, defaultTopic, produced...); err != nil {
+		return fmt.Errorf("inbox: consumer %q: write the handler's messages to the outbox: %w", ib.cfg.Consumer, err)
 	}
 	return nil
-}
-
-// Tx returns the transaction the inbox middleware opened for the message whose context is
-// ctx (pass msg.Context()). The handler's writes on it commit together with the dedup row, or
-// not at all. It panics when ctx carries no transaction, which means the handler runs without
-// the inbox middleware — a wiring mistake that must not silently write outside it; use
-// outbox.TxFromContext for a checked lookup. The middleware commits it, after writing the
-// handler's returned messages, or rolls it back: Commit and Rollback on it return
-// ErrTxManaged (savepoints from Begin work as usual), and it is closed once the handler returns.
-func Tx(ctx context.Context) pgx.Tx {
-	tx, ok := outbox.TxFromContext(ctx)
-	if !ok {
-		panic("inbox.Tx: no transaction in this context: install the inbox middleware on this handler (router.AddMiddleware(ib.Middleware)) and pass msg.Context()")
-	}
-	return tx
 }
 
 // ErrRouterPublish is returned by OutboxOnly when messages reach the router's publisher,
@@ -364,8 +327,3 @@ func (OutboxOnly) Publish(string, ...*message.Message) error { return ErrRouterP
 
 // Close implements message.Publisher.
 func (OutboxOnly) Close() error { return nil }
-
-// ErrTxManaged is returned by Commit and Rollback on the transaction a handler gets from Tx:
-// the middleware commits it after writing the handler's returned messages, or rolls it back
-// when the handler fails. To abort, return an error from the handler.
-var ErrTxManaged = errors.New("inbox: the middleware commits or rolls back this transaction itself (after writing the handler's returned messages); to abort, return an error from the handler")

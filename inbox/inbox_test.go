@@ -153,7 +153,7 @@ func TestRetryFreshTransactionPerAttempt(t *testing.T) {
 	handler := func(failures int32) message.HandlerFunc {
 		return func(msg *message.Message) ([]*message.Message, error) {
 			n := attempts.Add(1)
-			tx := inbox.Tx(msg.Context())
+			tx := outbox.MustTx(msg.Context())
 			var txid int64
 			if err := tx.QueryRow(msg.Context(), `SELECT txid_current()`).Scan(&txid); err != nil {
 				return nil, err
@@ -282,20 +282,20 @@ func TestHandlerEventsInOutboxIffCommitted(t *testing.T) {
 			return nil, err
 		}
 		emitted = []*message.Message{
-			inbox.ToTopic(outbox.SetPartitionKey(outbox.NewMessage([]byte("a1")), "order-7"), "topic.a"),
-			inbox.ToTopic(outbox.NewMessage([]byte("a2")), "topic.a"),
-			inbox.ToTopic(outbox.NewMessage([]byte("b1")), "topic.b"),
+			outbox.ToTopic(outbox.SetPartitionKey(outbox.NewMessage([]byte("a1")), "order-7"), "topic.a"),
+			outbox.ToTopic(outbox.NewMessage([]byte("a2")), "topic.a"),
+			outbox.ToTopic(outbox.NewMessage([]byte("b1")), "topic.b"),
 		}
 		switch string(msg.Payload) {
 		case "handler error":
 			return emitted, errors.New("handler failed after emitting")
 		case "commit fails":
 			// Violates a deferred constraint: the error surfaces only at COMMIT.
-			if _, err := inbox.Tx(msg.Context()).Exec(msg.Context(), `INSERT INTO deferred_check VALUES (1)`); err != nil {
+			if _, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO deferred_check VALUES (1)`); err != nil {
 				return nil, err
 			}
 		case "invalid event":
-			emitted = append(emitted, inbox.ToTopic(message.NewMessage("not-a-uuid", []byte("x")), "topic.a"))
+			emitted = append(emitted, outbox.ToTopic(message.NewMessage("not-a-uuid", []byte("x")), "topic.a"))
 		}
 		return emitted, nil
 	})
@@ -309,7 +309,7 @@ func TestHandlerEventsInOutboxIffCommitted(t *testing.T) {
 		if payload == "commit fails" && !strings.Contains(err.Error(), "commit") {
 			t.Fatalf("%s: err = %v", payload, err)
 		}
-		if payload == "invalid event" && !inbox.IsPermanent(err) {
+		if payload == "invalid event" && !inbox.IsPoison(err) {
 			t.Fatalf("%s: err = %v is not permanent", payload, err)
 		}
 		if rows := f.outboxRows(); len(rows) != 0 || f.dedupRows() != 0 || f.effects(msg.UUID) != 0 {
@@ -333,11 +333,11 @@ func TestHandlerEventsInOutboxIffCommitted(t *testing.T) {
 		if r.EventID != emitted[i].UUID || r.Topic != want.topic || string(r.Payload) != want.payload || r.Key != want.key {
 			t.Errorf("row %d = %+v, want %+v with id %s", i+1, r, want, emitted[i].UUID)
 		}
-		if _, ok := r.Metadata[inbox.MetadataTopic]; ok {
+		if _, ok := r.Metadata[outbox.MetadataTopic]; ok {
 			t.Errorf("row %d keeps the routing metadata: %v", i+1, r.Metadata)
 		}
 	}
-	if _, ok := emitted[0].Metadata[inbox.MetadataTopic]; !ok {
+	if _, ok := emitted[0].Metadata[outbox.MetadataTopic]; !ok {
 		t.Error("the handler's own message was modified")
 	}
 	// A redelivery is a duplicate: no new outbox rows.
@@ -348,7 +348,7 @@ func TestHandlerEventsInOutboxIffCommitted(t *testing.T) {
 	noTopic := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		return []*message.Message{outbox.NewMessage([]byte("lost?"))}, nil
 	})
-	if _, err := noTopic(outbox.NewMessage([]byte("x"))); !errors.Is(err, inbox.ErrNoTopic) || !inbox.IsPermanent(err) {
+	if _, err := noTopic(outbox.NewMessage([]byte("x"))); !errors.Is(err, inbox.ErrNoTopic) || !inbox.IsPoison(err) {
 		t.Fatalf("err = %v, want ErrNoTopic", err)
 	}
 	if len(f.outboxRows()) != 4 || f.dedupRows() != 1 {
@@ -374,7 +374,7 @@ func TestRouterPublishTopicThroughOutbox(t *testing.T) {
 		}
 		return []*message.Message{
 			outbox.NewMessage([]byte("invoice")),
-			inbox.ToTopic(outbox.NewMessage([]byte("mail")), "mails"),
+			outbox.ToTopic(outbox.NewMessage([]byte("mail")), "mails"),
 		}, nil
 	})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -403,15 +403,15 @@ func TestRouterPublishTopicThroughOutbox(t *testing.T) {
 	}
 }
 
-func TestTxAndOutboxOnlyRefuseWithoutMiddleware(t *testing.T) {
+func TestMustTxAndOutboxOnlyRefuseWithoutMiddleware(t *testing.T) {
 	t.Parallel()
 	func() {
 		defer func() {
-			if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), "install the inbox middleware") {
+			if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), "run the handler behind the inbox middleware") {
 				t.Fatalf("recovered %v", r)
 			}
 		}()
-		inbox.Tx(context.Background())
+		outbox.MustTx(context.Background())
 	}()
 	if err := (inbox.OutboxOnly{}).Publish("t", outbox.NewMessage(nil)); !errors.Is(err, inbox.ErrRouterPublish) {
 		t.Fatalf("err = %v", err)
@@ -484,7 +484,7 @@ func TestNoKeyPolicy(t *testing.T) {
 
 	for _, m := range keyless {
 		_, err := f.ib.Middleware(handler)(m)
-		if !errors.Is(err, inbox.ErrNoKey) || !inbox.IsPermanent(err) || inbox.ShouldRetry(middleware.RetryParams{Err: err}) {
+		if !errors.Is(err, inbox.ErrNoKey) || !inbox.IsPoison(err) || inbox.ShouldRetry(middleware.RetryParams{Err: err}) {
 			t.Fatalf("err = %v, want a permanent ErrNoKey", err)
 		}
 	}
@@ -551,7 +551,7 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	leaked := make(chan pgx.Tx, 1)
 	h := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		ctx := msg.Context()
-		tx := inbox.Tx(ctx)
+		tx := outbox.MustTx(ctx)
 		defer tx.Rollback(ctx) // the pgx idiom for a transaction one owns: must change nothing
 		if err := applyEffect(msg, ""); err != nil {
 			return nil, err
@@ -560,17 +560,17 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 		if err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return applyEffect(msg, "savepoint") }); err != nil {
 			return nil, err
 		}
-		if err := tx.Commit(ctx); !errors.Is(err, inbox.ErrTxManaged) {
+		if err := tx.Commit(ctx); !errors.Is(err, outbox.ErrTxManaged) {
 			t.Errorf("Commit = %v; want ErrTxManaged", err)
 		}
-		if err := tx.Rollback(ctx); !errors.Is(err, inbox.ErrTxManaged) {
+		if err := tx.Rollback(ctx); !errors.Is(err, outbox.ErrTxManaged) {
 			t.Errorf("Rollback = %v; want ErrTxManaged", err)
 		}
 		select {
 		case leaked <- tx:
 		default:
 		}
-		return []*message.Message{inbox.ToTopic(outbox.NewMessage([]byte("event")), "events")}, nil
+		return []*message.Message{outbox.ToTopic(outbox.NewMessage([]byte("event")), "events")}, nil
 	})
 	msg := outbox.NewMessage([]byte("x"))
 	for i := range 2 {

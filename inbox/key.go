@@ -12,12 +12,6 @@ import (
 	"github.com/onceflow/onceflow/outbox"
 )
 
-// Saga phases, the values of outbox.MetadataSagaPhase. A message without a phase is an action.
-const (
-	PhaseAction       = "action"
-	PhaseCompensation = "compensation"
-)
-
 // MaxKeyBytes bounds a dedup key. The key is part of processed_event's primary key, and a
 // B-tree entry must fit in a third of a page; a longer key is refused rather than truncated,
 // because truncation could make two different messages look like duplicates.
@@ -37,16 +31,21 @@ type KeyFunc func(msg *message.Message) (string, error)
 
 // DefaultKey is the default KeyFunc:
 //
-//   - a saga message (metadata outbox.MetadataSagaID set) is keyed by saga id, step and phase,
-//     so the same step delivered twice runs once even if it was re-sent with a new event id,
-//     while the action and the compensation of one step are different keys;
+//   - a saga message (metadata outbox.MetadataSagaID set) is keyed by saga id, step, phase and
+//     attempt (SagaKey), so the same step delivered twice runs once even if it was re-sent
+//     with a new event id, while a deliberate re-send (the next attempt) and the
+//     compensation of a step are different keys;
 //   - any other message is keyed by its Watermill UUID, the event id the outbox assigned once.
 //
-// A saga message without a step, with an unknown phase, or a message without a UUID has no
-// usable key and yields an error wrapping ErrNoKey.
+// A saga message with incomplete or malformed saga metadata, or a message without a UUID, has
+// no usable key and yields an error wrapping ErrNoKey.
 func DefaultKey(msg *message.Message) (string, error) {
-	if sagaID, ok := msg.Metadata[outbox.MetadataSagaID]; ok {
-		return SagaKey(sagaID, msg.Metadata.Get(outbox.MetadataSagaStep), msg.Metadata.Get(outbox.MetadataSagaPhase))
+	ref, isSaga, err := outbox.SagaOf(msg)
+	if err != nil {
+		return "", fmt.Errorf("%w: saga message: %w", ErrNoKey, err)
+	}
+	if isSaga {
+		return SagaKey(ref)
 	}
 	return EventKey(msg.UUID)
 }
@@ -59,28 +58,21 @@ func EventKey(eventID string) (string, error) {
 	return checkKey("event:" + eventID)
 }
 
-// SagaKey is the dedup key of a saga message: "saga:" followed by the quoted saga id and step
-// and the phase, e.g. saga:"0193…":"reserve-stock":action. Quoting makes the key unambiguous
-// whatever characters the id and step contain. An empty phase means PhaseAction.
-func SagaKey(sagaID, step, phase string) (string, error) {
-	var problems []string
-	if sagaID == "" {
-		problems = append(problems, fmt.Sprintf("metadata %q is empty", outbox.MetadataSagaID))
+// SagaKey is the dedup key of a saga message: "saga:" followed by the quoted saga id and step,
+// the phase and the attempt, e.g. saga:"0193…":"reserve-stock":action:1. Quoting makes the
+// key unambiguous whatever characters the id and step contain. A zero Phase means
+// outbox.SagaPhaseAction and a zero Attempt means 1, as on the wire.
+func SagaKey(ref outbox.SagaRef) (string, error) {
+	if err := ref.Validate(); err != nil {
+		return "", fmt.Errorf("%w: saga message: %w", ErrNoKey, err)
 	}
-	if step == "" {
-		problems = append(problems, fmt.Sprintf("metadata %q is missing (a saga message is deduplicated by saga id + step)", outbox.MetadataSagaStep))
+	if ref.Phase == "" {
+		ref.Phase = outbox.SagaPhaseAction
 	}
-	switch phase {
-	case "":
-		phase = PhaseAction
-	case PhaseAction, PhaseCompensation:
-	default:
-		problems = append(problems, fmt.Sprintf("metadata %q is %q; want %q or %q", outbox.MetadataSagaPhase, phase, PhaseAction, PhaseCompensation))
+	if ref.Attempt == 0 {
+		ref.Attempt = 1
 	}
-	if len(problems) > 0 {
-		return "", fmt.Errorf("%w: saga message: %s", ErrNoKey, strings.Join(problems, "; "))
-	}
-	return checkKey("saga:" + strconv.Quote(sagaID) + ":" + strconv.Quote(step) + ":" + phase)
+	return checkKey("saga:" + strconv.Quote(ref.ID) + ":" + strconv.Quote(ref.Step) + ":" + string(ref.Phase) + ":" + strconv.Itoa(ref.Attempt))
 }
 
 // checkKey refuses keys PostgreSQL cannot store or index: NUL bytes, invalid UTF-8, too long.

@@ -105,7 +105,7 @@ func childMain(string) int {
 	}
 	router.AddMiddleware(report, ib.Middleware)
 	router.AddConsumerHandler("kill-test", os.Getenv("CHILD_TOPIC"), sub, func(msg *message.Message) error {
-		if _, err := inbox.Tx(msg.Context()).Exec(msg.Context(), `INSERT INTO effect (msg_uuid, note) VALUES ($1, $2)`, msg.UUID, fmt.Sprint(os.Getpid())); err != nil {
+		if _, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO effect (msg_uuid, note) VALUES ($1, $2)`, msg.UUID, fmt.Sprint(os.Getpid())); err != nil {
 			return err
 		}
 		if killMode == "in-handler" && msg.UUID == killUUID {

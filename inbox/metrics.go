@@ -62,9 +62,20 @@ func (c *Counters) Snapshot() CountersSnapshot {
 	}
 }
 
-type nopMetrics struct{}
+// NopMetrics discards every measurement. Embed it in your own Metrics implementation so that
+// methods added to the interface later do not break it.
+type NopMetrics struct{}
 
-func (nopMetrics) Processed(string, time.Duration) {}
-func (nopMetrics) Duplicate(string)                {}
-func (nopMetrics) Failed(string)                   {}
-func (nopMetrics) NoKey(string)                    {}
+var _ Metrics = NopMetrics{}
+
+// Processed implements Metrics.
+func (NopMetrics) Processed(string, time.Duration) {}
+
+// Duplicate implements Metrics.
+func (NopMetrics) Duplicate(string) {}
+
+// Failed implements Metrics.
+func (NopMetrics) Failed(string) {}
+
+// NoKey implements Metrics.
+func (NopMetrics) NoKey(string) {}

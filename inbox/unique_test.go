@@ -29,7 +29,7 @@ func TestInsertOnceFallsBackToExistingRow(t *testing.T) {
 	}
 	var seenIDs []int64
 	h := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		tx := inbox.Tx(msg.Context())
+		tx := outbox.MustTx(msg.Context())
 		amount := 100
 		if string(msg.Payload) == "bad amount" {
 			amount = -1

@@ -5,22 +5,6 @@ import (
 	"github.com/google/uuid"
 )
 
-// Metadata keys onceflow reads and writes. They travel as Kafka headers like any other
-// metadata, so a plain watermill-kafka subscriber sees them too.
-const (
-	// MetadataPartitionKey holds the partition key. The writer stores it in its own column and
-	// the relay sends it as the Kafka message key; messages with the same key keep their order.
-	MetadataPartitionKey = "partition_key"
-	// MetadataSagaID, MetadataSagaStep and MetadataSagaPhase identify a saga message; the inbox
-	// deduplicates on them instead of the event id when they are present.
-	MetadataSagaID    = "saga_id"
-	MetadataSagaStep  = "saga_step"
-	MetadataSagaPhase = "saga_phase" // "action" or "compensation"
-	// MetadataTraceParent and MetadataTraceState carry W3C trace context across the broker.
-	MetadataTraceParent = "traceparent"
-	MetadataTraceState  = "tracestate"
-)
-
 // NewUUID returns a new UUIDv7 string: time-ordered, so ids sort roughly by creation and index
 // well. Use it as cqrs.JSONMarshaler's NewUUID so command and event buses mint v7 ids too.
 func NewUUID() string { return uuid.Must(uuid.NewV7()).String() }
@@ -41,3 +25,25 @@ func SetPartitionKey(msg *message.Message, key string) *message.Message {
 
 // PartitionKey returns the message's partition key, or "" when it has none.
 func PartitionKey(msg *message.Message) string { return msg.Metadata.Get(MetadataPartitionKey) }
+
+// ToTopic addresses msg to topic, overriding the topic of the write call (WriteTx) or of the
+// handler (a message an inbox handler returns), so one call can write events for several
+// topics in one statement. It returns msg for chaining:
+//
+//	err := outbox.WriteTx(ctx, tx, "", // no default topic: every message names its own
+//		outbox.ToTopic(outbox.NewMessage(invoice), "billing.invoiced"),
+//		outbox.ToTopic(outbox.NewMessage(mail), "mail.requested"))
+//
+// The routing key (MetadataTopic) is not stored with the row: it does not travel to the broker.
+func ToTopic(msg *message.Message, topic string) *message.Message {
+	msg.Metadata.Set(MetadataTopic, topic)
+	return msg
+}
+
+// TopicOf returns the topic set with ToTopic, or fallback when the message has none.
+func TopicOf(msg *message.Message, fallback string) string {
+	if t, ok := msg.Metadata[MetadataTopic]; ok {
+		return t
+	}
+	return fallback
+}

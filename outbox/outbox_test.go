@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -13,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
@@ -203,6 +205,8 @@ func TestWriteTxValidation(t *testing.T) {
 		{"invalid uuid", "t", []*message.Message{valid(), valid(), message.NewMessage("not-a-uuid", []byte("x"))}, outbox.ErrInvalidUUID, `"not-a-uuid"`},
 		{"no messages", "t", nil, outbox.ErrNoMessages, "no messages"},
 		{"nil message", "t", []*message.Message{valid(), nil}, nil, "message is nil"},
+		{"routed and unrouted without topic", "", []*message.Message{outbox.ToTopic(valid(), "a"), valid()}, outbox.ErrEmptyTopic, "message 1"},
+		{"empty ToTopic", "t", []*message.Message{outbox.ToTopic(valid(), "")}, outbox.ErrEmptyTopic, "outbox.ToTopic"},
 	}
 	for _, c := range cases {
 		tx, err := db.Pool.Begin(ctx)
@@ -232,6 +236,71 @@ func TestWriteTxValidation(t *testing.T) {
 	err := w.WriteTx(ctx, nil, "t", valid(), message.NewMessage("bad", []byte("x")))
 	if !errors.As(err, &ve) || ve.Index != 1 || ve.UUID != "bad" {
 		t.Fatalf("ValidationError = %+v (from %v), want index 1 uuid bad", ve, err)
+	}
+}
+
+// queryCounter counts the statements a pool sends.
+type queryCounter struct{ n atomic.Int64 }
+
+func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+
+func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// One call writes messages for several topics (ToTopic, else the call's topic) in ONE
+// statement, in the order given, without storing the routing key or changing the caller's
+// messages.
+func TestWriteTxSeveralTopics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	cfg := db.Pool.Config()
+	counter := &queryCounter{}
+	cfg.ConnConfig.Tracer = counter
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	w := newWriter(t, db, outbox.Config{})
+
+	msgs := []*message.Message{
+		outbox.ToTopic(outbox.NewMessage([]byte("a1")), "topic.a"),
+		outbox.NewMessage([]byte("d1")), // the call's topic
+		outbox.SetPartitionKey(outbox.ToTopic(outbox.NewMessage([]byte("b1")), "topic.b"), "k"),
+		outbox.ToTopic(outbox.NewMessage([]byte("a2")), "topic.a"),
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := counter.n.Load()
+	if err := w.WriteTx(ctx, tx, "topic.default", msgs...); err != nil {
+		t.Fatal(err)
+	}
+	if n := counter.n.Load() - before; n != 1 {
+		t.Errorf("WriteTx sent %d statements for 3 topics, want 1", n)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	rows := readRows(t, db)
+	want := []struct{ topic, payload, key string }{{"topic.a", "a1", ""}, {"topic.default", "d1", ""}, {"topic.b", "b1", "k"}, {"topic.a", "a2", ""}}
+	if len(rows) != len(want) {
+		t.Fatalf("%d rows, want %d", len(rows), len(want))
+	}
+	for i, r := range rows {
+		if r.EventID != msgs[i].UUID || r.Topic != want[i].topic || string(r.Payload) != want[i].payload || r.Key != want[i].key {
+			t.Errorf("row %d = %+v, want %+v", i, r, want[i])
+		}
+		if _, ok := r.Metadata[outbox.MetadataTopic]; ok {
+			t.Errorf("row %d stores the routing key: %v", i, r.Metadata)
+		}
+	}
+	if outbox.TopicOf(msgs[0], "") != "topic.a" {
+		t.Error("the caller's message lost its routing key")
 	}
 }
 

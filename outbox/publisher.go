@@ -2,30 +2,11 @@ package outbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 )
-
-type txKey struct{}
-
-// ContextWithTx returns a context carrying tx, for ContextPublisher and for handlers that
-// want the transaction their middleware opened. The inbox and idempotency middlewares set it.
-func ContextWithTx(ctx context.Context, tx pgx.Tx) context.Context {
-	return context.WithValue(ctx, txKey{}, tx)
-}
-
-// TxFromContext returns the transaction stored by ContextWithTx.
-func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
-	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
-	return tx, ok && tx != nil
-}
-
-// ErrNoTx is returned by ContextPublisher when a message's context carries no transaction.
-// Publishing outside a transaction would break the atomic-write guarantee, so it is refused.
-var ErrNoTx = errors.New("outbox: no transaction in the message context; wrap the context with outbox.ContextWithTx(ctx, tx) before publishing")
 
 // NewTxPublisher returns a Watermill publisher that writes into the outbox as part of tx,
 // using the default writer. Publish is WriteTx; Close does nothing (the caller owns tx).

@@ -81,8 +81,10 @@ func NotifyChannel(schema string) string {
 
 // Writer inserts messages into the outbox. It is safe for concurrent use.
 type Writer struct {
-	cfg       Config
-	insertSQL string
+	cfg Config
+	// insertSQL takes one topic for the whole call ($1 text), insertRoutedSQL one per message
+	// ($1 text[]), for calls whose messages go to several topics (ToTopic).
+	insertSQL, insertRoutedSQL string
 }
 
 // NewWriter validates cfg and returns a Writer.
@@ -103,17 +105,31 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if err := errors.Join(problems...); err != nil {
 		return nil, fmt.Errorf("outbox: invalid config: %w", err)
 	}
+	return &Writer{cfg: cfg, insertSQL: insertSQL(cfg, "$1"), insertRoutedSQL: insertSQL(cfg, "t")}, nil
+}
+
+// insertSQL is the write statement. topic is "$1" for a call with one topic, or "t" to take
+// each row's topic from the unnested $1 text[] array.
+func insertSQL(cfg Config, topic string) string {
+	topics := ""
+	if topic == "t" {
+		topics = "$1::text[], "
+	}
+	cols := topics + `$2::uuid[], $3::text[], $4::bigint[], $5::bytea[], $6::text[]`
+	as := "e, k, h, p, m"
+	if topic == "t" {
+		as = "t, " + as
+	}
 	// One statement, one round trip: the arrays are unnested in order, so ids (the relay's claim
 	// order) follow the order of the messages in the call. The notification rides along in a
 	// CTE joined into the result so it runs exactly once per call.
 	insert := `INSERT INTO ` + pgsql.Table(cfg.Schema, "outbox") + ` (event_id, topic, partition_key, key_hash, payload, metadata)
-	SELECT e, $1, k, h, p, m::jsonb FROM unnest($2::uuid[], $3::text[], $4::bigint[], $5::bytea[], $6::text[]) AS u(e, k, h, p, m)
+	SELECT e, ` + topic + `, k, h, p, m::jsonb FROM unnest(` + cols + `) AS u(` + as + `)
 	RETURNING 1`
-	sql := `WITH ins AS (` + insert + `) SELECT count(*) FROM ins`
-	if !cfg.DisableNotify {
-		sql = `WITH ins AS (` + insert + `), wake AS (SELECT pg_notify($7, '')) SELECT count(*) FROM ins, wake`
+	if cfg.DisableNotify {
+		return `WITH ins AS (` + insert + `) SELECT count(*) FROM ins`
 	}
-	return &Writer{cfg: cfg, insertSQL: sql}, nil
+	return `WITH ins AS (` + insert + `), wake AS (SELECT pg_notify($7, '')) SELECT count(*) FROM ins, wake`
 }
 
 // Config returns the writer's configuration with defaults filled in.
@@ -121,36 +137,42 @@ func (w *Writer) Config() Config { return w.cfg }
 
 var defaultWriter, _ = NewWriter(Config{})
 
-// WriteTx writes msgs to topic with the default configuration (schema "onceflow", 1 MiB limit,
+// WriteTx writes msgs with the default configuration (schema "onceflow", 1 MiB limit,
 // notify on commit). See Writer.WriteTx.
 func WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
 	return defaultWriter.WriteTx(ctx, tx, topic, msgs...)
 }
 
-// WriteTx inserts msgs into the outbox as part of tx, in one round trip, keeping each
-// message's UUID, payload bytes, metadata and partition key. The rows become visible to the
-// relay when tx commits and vanish if it rolls back. If any message is invalid, nothing of the
-// call is written and the error names the message (see ValidationError).
+// WriteTx inserts msgs into the outbox as part of tx, in one statement (one round trip),
+// keeping each message's UUID, payload bytes, metadata and partition key. Each message goes to
+// the topic it was given with ToTopic, or else to topic; topic may be "" when every message
+// names its own. The rows become visible to the relay when tx commits and vanish if it rolls
+// back; they are published in the order of msgs (per partition key). If any message is
+// invalid, nothing of the call is written and the error lists every refused message (see
+// ValidationError).
 func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
-	if topic == "" {
-		return fmt.Errorf("outbox: %w", ErrEmptyTopic)
-	}
 	if len(msgs) == 0 {
 		return fmt.Errorf("outbox: %w", ErrNoMessages)
 	}
+	topics := make([]string, len(msgs))
 	ids := make([]string, len(msgs))
 	keys := make([]string, len(msgs))
 	hashes := make([]int64, len(msgs))
 	payloads := make([][]byte, len(msgs))
 	metas := make([]string, len(msgs))
+	routed := false // some message's topic differs from the first one's
 	var problems []error
 	for i, msg := range msgs {
 		if msg == nil {
 			problems = append(problems, &ValidationError{Index: i, Err: errors.New("message is nil")})
 			continue
 		}
+		topics[i] = TopicOf(msg, topic)
 		id, err := uuid.Parse(msg.UUID)
 		switch {
+		case topics[i] == "":
+			problems = append(problems, &ValidationError{Index: i, UUID: msg.UUID,
+				Err: fmt.Errorf("%w: pass a topic to the write call or address the message with outbox.ToTopic", ErrEmptyTopic)})
 		case err != nil:
 			problems = append(problems, &ValidationError{Index: i, UUID: msg.UUID, Err: ErrInvalidUUID})
 		case msg.Payload == nil:
@@ -162,10 +184,11 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 		if len(problems) > 0 {
 			continue // keep validating to report every problem, but build nothing more
 		}
-		meta, err := json.Marshal(msg.Metadata)
+		meta, err := json.Marshal(storedMetadata(msg.Metadata))
 		if err != nil {
 			return fmt.Errorf("outbox: encode metadata of message %d: %w", i, err)
 		}
+		routed = routed || topics[i] != topics[0]
 		ids[i] = id.String()
 		keys[i] = PartitionKey(msg)
 		hashes[i] = int64(keyHash(keys[i], ids[i]))
@@ -175,18 +198,36 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 	if err := errors.Join(problems...); err != nil {
 		return err
 	}
-	args := []any{topic, ids, keys, hashes, payloads, metas}
+	sql, args := w.insertSQL, []any{topics[0], ids, keys, hashes, payloads, metas}
+	if routed {
+		sql, args[0] = w.insertRoutedSQL, topics
+	}
 	if !w.cfg.DisableNotify {
 		args = append(args, NotifyChannel(w.cfg.Schema))
 	}
 	var n int64
-	if err := tx.QueryRow(ctx, w.insertSQL, args...).Scan(&n); err != nil {
+	if err := tx.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
 		return fmt.Errorf("outbox: insert %d messages into %s.outbox: %w", len(msgs), w.cfg.Schema, err)
 	}
 	if n != int64(len(msgs)) {
 		return fmt.Errorf("outbox: inserted %d rows for %d messages", n, len(msgs))
 	}
 	return nil
+}
+
+// storedMetadata is md without the routing key, which is consumed by the write. The caller's
+// map is never modified.
+func storedMetadata(md message.Metadata) message.Metadata {
+	if _, ok := md[MetadataTopic]; !ok {
+		return md
+	}
+	out := make(message.Metadata, len(md)-1)
+	for k, v := range md {
+		if k != MetadataTopic {
+			out[k] = v
+		}
+	}
+	return out
 }
 
 // keyHash spreads rows over the relay's virtual shards: FNV-1a 32 of the partition key, so all

@@ -1,0 +1,82 @@
+package inbox
+
+import (
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// ClaimTx records keys as processed by this consumer, as part of tx, in one statement, and
+// reports for each key whether it was new: claimed[i] is true when keys[i] was not recorded
+// before, so the caller applies that message's effect in tx; false means a duplicate (a key
+// given twice in one call is new at most once, at its first position). The records commit or
+// roll back with tx, together with the effects: that is the exactly-once guarantee.
+//
+// A key recorded by a concurrent transaction that has not finished yet makes ClaimTx wait for
+// it: if it commits the key is a duplicate here, if it rolls back the key is claimed here. So
+// two deliveries of one message never both see it as new.
+//
+// It is the core the middleware, the saga orchestrator and a batched consumer are built on;
+// use it directly for a consumer that is not a Watermill handler. Keys come from KeyFunc,
+// EventKey or SagaKey; an empty, overlong, non-UTF-8 or NUL-containing key is refused with an
+// error wrapping ErrNoKey and nothing is recorded.
+func (ib *Inbox) ClaimTx(ctx context.Context, tx pgx.Tx, keys ...string) (claimed []bool, err error) {
+	for i, k := range keys {
+		if _, err := checkKey(k); err != nil {
+			return nil, fmt.Errorf("inbox: consumer %q: key %d: %w", ib.cfg.Consumer, i, err)
+		}
+	}
+	switch len(keys) {
+	case 0:
+		return nil, nil
+	case 1: // the middleware's path: the plain statement is the cheapest
+		tag, err := tx.Exec(ctx, ib.claimOneSQL, ib.cfg.Consumer, keys[0])
+		if err != nil {
+			return nil, fmt.Errorf("inbox: consumer %q: record dedup key %q: %w", ib.cfg.Consumer, keys[0], err)
+		}
+		return []bool{tag.RowsAffected() == 1}, nil
+	}
+	// Distinct and sorted: two batches claiming overlapping keys lock them in the same order,
+	// so they wait for each other instead of deadlocking.
+	distinct := slices.Clone(keys)
+	slices.Sort(distinct)
+	distinct = slices.Compact(distinct)
+	rows, err := tx.Query(ctx, ib.claimManySQL, ib.cfg.Consumer, distinct)
+	if err != nil {
+		return nil, fmt.Errorf("inbox: consumer %q: record %d dedup keys: %w", ib.cfg.Consumer, len(keys), err)
+	}
+	inserted, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("inbox: consumer %q: record %d dedup keys: %w", ib.cfg.Consumer, len(keys), err)
+	}
+	fresh := make(map[string]bool, len(inserted))
+	for _, k := range inserted {
+		fresh[k] = true
+	}
+	claimed = make([]bool, len(keys))
+	for i, k := range keys {
+		claimed[i] = fresh[k]
+		delete(fresh, k) // a repeated key is new only at its first position
+	}
+	return claimed, nil
+}
+
+// SeenTx reports whether key is recorded for this consumer: committed by an earlier
+// transaction, or claimed earlier in tx. It records nothing. A key that a concurrent
+// transaction claimed but has not committed is not seen (PostgreSQL's READ COMMITTED
+// snapshot), so SeenTx suits checks that a later ClaimTx in the same transaction settles —
+// such as the saga barrier, which looks for a step's compensation before running its
+// action and then claims the action's key; deciding "skip" from SeenTx alone is only safe for
+// keys whose writer has certainly finished.
+func (ib *Inbox) SeenTx(ctx context.Context, tx pgx.Tx, key string) (bool, error) {
+	if _, err := checkKey(key); err != nil {
+		return false, fmt.Errorf("inbox: consumer %q: %w", ib.cfg.Consumer, err)
+	}
+	var seen bool
+	if err := tx.QueryRow(ctx, ib.seenSQL, ib.cfg.Consumer, key).Scan(&seen); err != nil {
+		return false, fmt.Errorf("inbox: consumer %q: look up dedup key %q: %w", ib.cfg.Consumer, key, err)
+	}
+	return seen, nil
+}
