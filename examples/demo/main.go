@@ -365,7 +365,7 @@ func startConsumer(ctx context.Context, pool *pgxpool.Pool, schema string, broke
 		}
 		ctx := msg.Context()
 		// The effect: add the amount, count the event, and check it is the account's next one.
-		_, err := inbox.Tx(ctx).Exec(ctx, `INSERT INTO `+ledger+` AS l (account, balance, events, last_seq, order_violations)
+		_, err := outbox.MustTx(ctx).Exec(ctx, `INSERT INTO `+ledger+` AS l (account, balance, events, last_seq, order_violations)
 			VALUES ($1, $2::bigint, 1, $3::bigint, CASE WHEN $3::bigint = 1 THEN 0 ELSE 1 END)
 			ON CONFLICT (account) DO UPDATE SET balance = l.balance + $2, events = l.events + 1, last_seq = $3,
 				order_violations = l.order_violations + CASE WHEN $3 = l.last_seq + 1 THEN 0 ELSE 1 END`,

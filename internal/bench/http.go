@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/outbox"
 )
 
 // HTTP scenario shape: real HTTP on loopback, a fixed crowd of concurrent clients, every
@@ -77,7 +78,7 @@ func benchHTTP(ctx context.Context, e *env) ([]result, error) {
 		return nil, err
 	}
 	guarded := mw.Require(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		id, err := insert(r.Context(), idempotency.Tx(r.Context()), r)
+		id, err := insert(r.Context(), outbox.MustTx(r.Context()), r)
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return

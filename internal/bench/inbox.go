@@ -71,7 +71,7 @@ func benchInbox(ctx context.Context, e *env) ([]result, error) {
 		return nil, err
 	}
 	withInbox := func(msg *message.Message) ([]*message.Message, error) {
-		_, err := inbox.Tx(msg.Context()).Exec(msg.Context(), `INSERT INTO effect (msg_uuid, payload) VALUES ($1, $2)`, msg.UUID, msg.Payload)
+		_, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO effect (msg_uuid, payload) VALUES ($1, $2)`, msg.UUID, msg.Payload)
 		return nil, err
 	}
 	inboxRate, err := consumeInboxBench(ctx, e, topic, "bench-inbox", ib.Middleware, withInbox)
