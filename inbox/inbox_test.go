@@ -442,6 +442,9 @@ func TestSagaKeys(t *testing.T) {
 		step("reserve", ""),             // no phase means action: skipped
 		step("reserve", "compensation"), // compensation of the same step: runs
 		step("reserve", "compensation"), // twice: skipped
+		outbox.SetSaga(step("reserve", ""), outbox.SagaRef{ID: saga, Step: "reserve", Attempt: 2}), // a deliberate re-send: runs
+		outbox.SetSaga(step("reserve", ""), outbox.SagaRef{ID: saga, Step: "reserve", Attempt: 2}), // its duplicate: skipped
+		outbox.SetSaga(step("reserve", ""), outbox.SagaRef{ID: saga, Step: "reserve", Attempt: 1}), // attempt 1 explicitly: skipped
 	}
 	for i, m := range deliveries {
 		if _, err := h(m); err != nil {
@@ -457,16 +460,16 @@ func TestSagaKeys(t *testing.T) {
 	for _, n := range notes {
 		got[n]++
 	}
-	want := map[string]int{"reserve/action": 1, "charge/action": 1, "reserve/compensation": 1}
+	want := map[string]int{"reserve/action": 2, "charge/action": 1, "reserve/compensation": 1}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("effects %v, want %v", got, want)
 	}
-	if s := snapshot(f); s.Processed != 3 || s.Duplicates != 3 {
+	if s := snapshot(f); s.Processed != 4 || s.Duplicates != 5 {
 		t.Fatalf("metrics %+v", s)
 	}
 	// Another saga with the same step names is a different key.
 	saga = outbox.NewUUID()
-	if _, err := h(step("reserve", "action")); err != nil || f.count(`SELECT count(*) FROM effect`) != 4 {
+	if _, err := h(step("reserve", "action")); err != nil || f.count(`SELECT count(*) FROM effect`) != 5 {
 		t.Fatalf("step of another saga: err %v", err)
 	}
 }
