@@ -5,58 +5,71 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
-	"github.com/onceflow/onceflow/internal/retention"
+	engine "github.com/onceflow/onceflow/internal/retention"
+	"github.com/onceflow/onceflow/retention"
 )
 
-// CleanerConfig configures a Cleaner. Pool is required.
+// CleanerConfig configures a Cleaner. Pool is required; the rest has defaults. It has the
+// shape of inbox.CleanerConfig, without a window: a record's lifetime is Config.Window, fixed
+// when the middleware writes it (expires_at).
 type CleanerConfig struct {
-	// Pool holds the idempotency_record table. Required.
+	// Pool runs the deletes, each batch in its own short transaction. Required.
 	Pool *pgxpool.Pool
-	// Schema holds the table. Default "onceflow".
+	// Schema holds the idempotency_record table. Default "onceflow".
 	Schema string
 	// BatchSize bounds the rows one delete statement removes and locks.
 	// Default retention.DefaultBatchSize (1000).
 	BatchSize int
-	// Logger receives one line per scheduled run (Run). Default: discard.
+	// Schedule says when Run cleans, e.g. retention.Every(time.Hour) or
+	// retention.DailyAt(0, 0) for midnight UTC. Default retention.DefaultSchedule (daily at
+	// 03:00 UTC). Clean ignores it.
+	Schedule retention.Schedule
+	// Logger receives one line per scheduled run (and failures). Default slog.Default().
 	Logger *slog.Logger
 }
 
 // Cleaner deletes expired idempotency records. The retention itself is decided when a record
-// is written (its expires_at); the cleaner only reclaims space, since an expired record
-// already counts as absent. It deletes in bounded batches, each its own short transaction,
-// and skips rows another transaction has locked, so it never waits on or blocks a request —
-// in particular one that is replacing an expired record with a fresh response. Records of
-// requests still in flight are not even visible to it: they are written in the request's own,
-// uncommitted transaction.
+// is written (its expires_at, Config.Window after the request); the cleaner only reclaims
+// space, since an expired record already counts as absent. It deletes in bounded batches,
+// each its own short transaction, and skips rows another transaction has locked, so it never
+// waits on or blocks a request — in particular one that is replacing an expired record with
+// a fresh response. Records of requests still in flight are not even visible to it: they are
+// written in the request's own, uncommitted transaction.
 type Cleaner struct {
 	cfg CleanerConfig
 	sql string
 }
 
-// NewCleaner validates cfg, reporting every problem at once.
+// NewCleaner validates cfg, reporting every problem at once, and returns a Cleaner.
 func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
+	if cfg.Schema == "" {
+		cfg.Schema = pgsql.DefaultSchema
+	}
+	if cfg.BatchSize == 0 {
+		cfg.BatchSize = retention.DefaultBatchSize
+	}
+	if cfg.Schedule == nil {
+		cfg.Schedule = retention.DefaultSchedule
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
 	var problems []error
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool that holds the idempotency_record table"))
-	}
-	if cfg.Schema == "" {
-		cfg.Schema = pgsql.DefaultSchema
 	}
 	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
 		problems = append(problems, fmt.Errorf("Schema: %w", err))
 	}
 	if cfg.BatchSize < 0 {
 		problems = append(problems, fmt.Errorf("BatchSize is %d; use 0 for the default (%d) or a positive size", cfg.BatchSize, retention.DefaultBatchSize))
-	} else if cfg.BatchSize == 0 {
-		cfg.BatchSize = retention.DefaultBatchSize
 	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
+	if err := engine.CheckSchedule(cfg.Schedule); err != nil {
+		problems = append(problems, fmt.Errorf("Schedule: %w", err))
 	}
 	if err := errors.Join(problems...); err != nil {
 		return nil, fmt.Errorf("idempotency: invalid cleaner config: %w", err)
@@ -68,23 +81,23 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 	return &Cleaner{cfg: cfg, sql: sql}, nil
 }
 
-// RunOnce deletes every record expired by the database clock, in batches, and returns how
-// many it deleted. On error it returns the count deleted before the error.
-func (c *Cleaner) RunOnce(ctx context.Context) (int64, error) {
-	n, err := retention.DeleteInBatches(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize)
+// Config returns the configuration with defaults filled in.
+func (c *Cleaner) Config() CleanerConfig { return c.cfg }
+
+// Clean makes one pass: it deletes every record expired by the database clock, BatchSize
+// rows per statement, and returns how many it deleted. Each statement commits on its own; on
+// error (or when ctx ends between batches) it returns the count deleted before it.
+func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
+	n, err := engine.DeleteInBatches(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize)
 	if err != nil {
-		return n, fmt.Errorf("idempotency: delete expired records from %s.idempotency_record: %w", c.cfg.Schema, err)
+		return n, fmt.Errorf("idempotency: clean %s.idempotency_record (deleted %d rows before the error): %w", c.cfg.Schema, n, err)
 	}
 	return n, nil
 }
 
-// Schedule says when Run cleans next, e.g. every hour or daily at 03:00 UTC.
-type Schedule interface {
-	Next(now time.Time) time.Time
-}
-
-// Run calls RunOnce on the schedule until ctx ends, logging each run, and returns ctx's
-// error. A failed run is logged and retried at the next scheduled time.
-func (c *Cleaner) Run(ctx context.Context, s Schedule) error {
-	return retention.Run(ctx, s, c.cfg.Logger.With("cleaner", "idempotency"), c.RunOnce)
+// Run calls Clean at every time CleanerConfig.Schedule gives until ctx ends, logging each
+// run, and returns ctx's error. A failed run is logged and retried at the next scheduled
+// time. Start it in a goroutine of a long-running process: go cleaner.Run(ctx).
+func (c *Cleaner) Run(ctx context.Context) error {
+	return engine.Run(ctx, c.cfg.Schedule, c.cfg.Logger.With("table", "idempotency_record"), c.Clean)
 }

@@ -4,12 +4,17 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/retention"
 )
 
 func insertRecords(t *testing.T, db *testdb.DB, prefix string, n int, expiresIn string) {
@@ -30,16 +35,16 @@ func TestCleanerDeletesOnlyExpiredInBatches(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	n, err := c.RunOnce(context.Background())
+	n, err := c.Clean(context.Background())
 	if err != nil || n != 7 {
-		t.Fatalf("RunOnce = %d, %v; want 7 deleted", n, err)
+		t.Fatalf("Clean = %d, %v; want 7 deleted", n, err)
 	}
 	f := &fixture{db: db}
 	if left := f.count(t, `SELECT count(*) FROM idempotency_record WHERE idem_key LIKE 'live-%'`); left != 3 || f.records(t) != 3 {
 		t.Fatalf("%d live records left of 3, %d in total", left, f.records(t))
 	}
-	if n, err := c.RunOnce(context.Background()); err != nil || n != 0 {
-		t.Fatalf("second RunOnce = %d, %v; want 0", n, err)
+	if n, err := c.Clean(context.Background()); err != nil || n != 0 {
+		t.Fatalf("second Clean = %d, %v; want 0", n, err)
 	}
 }
 
@@ -88,9 +93,9 @@ func TestCleanerSkipsARecordBeingReplaced(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	n, err := c.RunOnce(ctx) // would block until ctx ends without SKIP LOCKED
+	n, err := c.Clean(ctx) // would block until ctx ends without SKIP LOCKED
 	if err != nil || n != 4 {
-		t.Fatalf("RunOnce while a request replaces a record = %d, %v; want the 4 other expired records deleted", n, err)
+		t.Fatalf("Clean while a request replaces a record = %d, %v; want the 4 other expired records deleted", n, err)
 	}
 	close(resume)
 	first := <-done
@@ -103,8 +108,8 @@ func TestCleanerSkipsARecordBeingReplaced(t *testing.T) {
 	if r := f.send(t, "POST", "/orders", "alice", `"k"`, "book"); !r.replayed() || string(r.body) != string(first.body) {
 		t.Fatalf("replay: %d %s", r.status, r.body)
 	}
-	if n, err := c.RunOnce(ctx); err != nil || n != 0 {
-		t.Fatalf("RunOnce after = %d, %v; the fresh record must stay", n, err)
+	if n, err := c.Clean(ctx); err != nil || n != 0 {
+		t.Fatalf("Clean after = %d, %v; the fresh record must stay", n, err)
 	}
 	if runs.Load() != 1 {
 		t.Fatalf("handler ran %d times", runs.Load())
@@ -115,14 +120,14 @@ func TestCleanerRunOnSchedule(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t)
 	insertRecords(t, db, "old-", 3, "-1 hour")
-	c, err := idempotency.NewCleaner(idempotency.CleanerConfig{Pool: db.Pool, Schema: db.Schema})
+	ran := make(chan struct{})
+	c, err := idempotency.NewCleaner(idempotency.CleanerConfig{Pool: db.Pool, Schema: db.Schema, Schedule: signalSchedule{ran: ran}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	ran := make(chan struct{})
 	errc := make(chan error, 1)
-	go func() { errc <- c.Run(ctx, signalSchedule{ran: ran}) }()
+	go func() { errc <- c.Run(ctx) }()
 	f := &fixture{db: db}
 	deadline := time.Now().Add(60 * time.Second)
 	for f.records(t) != 0 {
@@ -146,4 +151,62 @@ func (s signalSchedule) Next(now time.Time) time.Time {
 	default:
 	}
 	return now.Add(10 * time.Millisecond)
+}
+
+func TestCleanerConfig(t *testing.T) {
+	t.Parallel()
+	_, err := idempotency.NewCleaner(idempotency.CleanerConfig{Schema: "x-y", BatchSize: -1, Schedule: retention.Every(-time.Minute)})
+	for _, want := range []string{"Pool is nil", "Schema: invalid schema name", "BatchSize is -1", "Schedule: Every(-1m0s): the interval must be positive"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("error %v does not report %q", err, want)
+		}
+	}
+
+	pool, err := pgxpool.New(context.Background(), "postgres://localhost:1/none") // lazy: never connects here
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	if _, err := idempotency.NewCleaner(idempotency.CleanerConfig{Pool: pool, Schedule: retention.DailyAt(0, 60)}); err == nil || !strings.Contains(err.Error(), "DailyAt(0, 60)") {
+		t.Errorf("DailyAt(0, 60) accepted: %v", err)
+	}
+
+	// The zero config cleans daily at 03:00 UTC, 1000 rows a batch, like inbox.Cleaner.
+	c, err := idempotency.NewCleaner(idempotency.CleanerConfig{Pool: pool})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := c.Config()
+	if cfg.Schema != "onceflow" || cfg.BatchSize != retention.DefaultBatchSize || cfg.Logger == nil || cfg.Schedule != retention.DefaultSchedule {
+		t.Fatalf("defaults %+v", cfg)
+	}
+	evening := time.Date(2026, 12, 31, 23, 0, 0, 0, time.UTC)
+	if next := cfg.Schedule.Next(evening); !next.Equal(evening.Add(4 * time.Hour)) {
+		t.Fatalf("default schedule runs next at %s, want 03:00 UTC", next)
+	}
+	c, err = idempotency.NewCleaner(idempotency.CleanerConfig{Pool: pool, Schedule: retention.DailyAt(0, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if next := c.Config().Schedule.Next(evening); !next.Equal(evening.Add(time.Hour)) {
+		t.Fatalf("DailyAt(0, 0) runs next at %s, want midnight", next)
+	}
+}
+
+// ExampleCleaner is the snippet of docs/http-idempotency.md ("Using it"): expired records
+// deleted hourly from the service process.
+func ExampleCleaner() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	cleaner, err := idempotency.NewCleaner(idempotency.CleanerConfig{
+		Pool:     pool,
+		Schedule: retention.Every(time.Hour), // default daily at 03:00 UTC
+	})
+	if err != nil {
+		panic(err)
+	}
+	go cleaner.Run(ctx) // until ctx ends; or cleaner.Clean(ctx) for one pass
 }

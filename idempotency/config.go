@@ -14,13 +14,14 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
-	"github.com/onceflow/onceflow/internal/retention"
+	engine "github.com/onceflow/onceflow/internal/retention"
 )
 
 // Defaults of Config.
 const (
-	// DefaultRetention is how long a stored response is replayed: 24 hours.
-	DefaultRetention = 24 * time.Hour
+	// DefaultWindow is how long a stored response is replayed: 24 hours, the lifetime the
+	// published contract promises clients (docs/http-idempotency.md, "Expiry").
+	DefaultWindow = 24 * time.Hour
 	// DefaultMaxBodyBytes is the largest request body accepted on a covered request: 1 MiB.
 	DefaultMaxBodyBytes = 1 << 20
 	// DefaultMaxStoredResponseBytes is the largest response body stored for replay: 1 MiB.
@@ -87,12 +88,14 @@ type Config struct {
 	// Middleware.Require requires the key on one route whatever this says.
 	Required bool
 
-	// Retention is how long a stored response is replayed, measured on the database clock.
-	// Default DefaultRetention (24 h). Values under 24 h are refused unless
-	// AllowShortRetention is set.
-	Retention time.Duration
-	// AllowShortRetention permits a Retention under 24 h.
-	AllowShortRetention bool
+	// Window is how long a stored response is replayed, from the start of the first request's
+	// transaction, on the database clock: the record's expires_at. Default DefaultWindow
+	// (24 h). A Window under retention.MinWindow (24 h) is refused unless AllowShortWindow is
+	// set. Expired records count as absent at once; Cleaner reclaims their space.
+	Window time.Duration
+	// AllowShortWindow accepts a Window under retention.MinWindow (24 h), for tests and
+	// clients whose retry horizon is provably short. Default false: such a window is refused.
+	AllowShortWindow bool
 
 	// MaxBodyBytes refuses larger request bodies with 413 before anything is stored.
 	// Default DefaultMaxBodyBytes (1 MiB).
@@ -189,10 +192,10 @@ func (c Config) withDefaults() (Config, error) {
 		methods = append(methods, m)
 	}
 	c.Methods = methods
-	if c.Retention == 0 {
-		c.Retention = DefaultRetention
+	if c.Window == 0 {
+		c.Window = DefaultWindow
 	}
-	if err := retention.CheckWindow("Retention", c.Retention, c.AllowShortRetention); err != nil {
+	if err := engine.CheckWindow("Window", c.Window, c.AllowShortWindow, "AllowShortWindow"); err != nil {
 		problems = append(problems, err)
 	}
 	if c.MaxBodyBytes < 0 {

@@ -103,7 +103,7 @@ func TestNewRefusesBadConfig(t *testing.T) {
 	_, err := idempotency.New(idempotency.Config{
 		Schema:                 "Bad-Schema",
 		Methods:                []string{"POST", "NOT A METHOD"},
-		Retention:              time.Hour,
+		Window:                 time.Hour,
 		MaxBodyBytes:           -1,
 		MaxStoredResponseBytes: -1,
 		StoredHeaders:          []string{"Location", "set-cookie"},
@@ -114,7 +114,7 @@ func TestNewRefusesBadConfig(t *testing.T) {
 	if err == nil {
 		t.Fatal("New accepted an invalid config")
 	}
-	for _, want := range []string{"Pool is nil", "Owner is nil", "Schema", "NOT A METHOD", "Retention", "MaxBodyBytes", "MaxStoredResponseBytes", "Set-Cookie", "MismatchStatus", "WaitInFlight", "RetryAfter"} {
+	for _, want := range []string{"Pool is nil", "Owner is nil", "Schema", "NOT A METHOD", "Window", "MaxBodyBytes", "MaxStoredResponseBytes", "Set-Cookie", "MismatchStatus", "WaitInFlight", "RetryAfter"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error does not mention %s:\n%v", want, err)
 		}
@@ -130,10 +130,10 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		t.Fatalf("New without Owner: %v; want a refusal naming Owner", err)
 	}
 	owner := func(*http.Request) (string, error) { return "u", nil }
-	if _, err := idempotency.New(idempotency.Config{Pool: pool, Owner: owner, Retention: time.Hour}); err == nil {
-		t.Fatal("a 1h retention was accepted without AllowShortRetention")
+	if _, err := idempotency.New(idempotency.Config{Pool: pool, Owner: owner, Window: time.Hour}); err == nil {
+		t.Fatal("a 1h retention was accepted without AllowShortWindow")
 	}
-	m, err := idempotency.New(idempotency.Config{Pool: pool, Owner: owner, Retention: time.Hour, AllowShortRetention: true, Logger: slog.Default()})
+	m, err := idempotency.New(idempotency.Config{Pool: pool, Owner: owner, Window: time.Hour, AllowShortWindow: true, Logger: slog.Default()})
 	if err != nil {
 		t.Fatalf("valid config refused: %v", err)
 	}

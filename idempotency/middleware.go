@@ -285,7 +285,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 			storedBody = []byte{}
 		}
 	}
-	args := []any{owner, key, fp, bw.status, m.storedHeaders(bw.header), storedBody, m.cfg.Retention.Microseconds()}
+	args := []any{owner, key, fp, bw.status, m.storedHeaders(bw.header), storedBody, m.cfg.Window.Microseconds()}
 	if rec == nil {
 		// Second (and last) round trip of our own: insert and commit, pipelined. Should the insert fail (a record written
 		// without the lock: unique violation), PostgreSQL skips the COMMIT and the deferred

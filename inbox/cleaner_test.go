@@ -3,30 +3,64 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/retention"
 )
 
-// batchRecorder passes statements to the real pool and records how many rows each deleted.
+// batchRecorder is a pgx tracer that records how many rows each DELETE removed, so the test
+// sees the cleaner's batches on a real pool.
 type batchRecorder struct {
-	db      inbox.Execer
 	mu      sync.Mutex
 	batches []int64
 }
 
-func (b *batchRecorder) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	tag, err := b.db.Exec(ctx, sql, args...)
-	b.mu.Lock()
-	b.batches = append(b.batches, tag.RowsAffected())
-	b.mu.Unlock()
-	return tag, err
+func (b *batchRecorder) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (b *batchRecorder) TraceQueryEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	if data.Err == nil && data.CommandTag.Delete() {
+		b.mu.Lock()
+		b.batches = append(b.batches, data.CommandTag.RowsAffected())
+		b.mu.Unlock()
+	}
+}
+
+// tracedPool opens a second pool on db's server whose statements rec observes.
+func tracedPool(t *testing.T, db *testdb.DB, rec *batchRecorder) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Tracer = rec
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// lazyPool never connects: for tests of config validation and defaults.
+func lazyPool(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), "postgres://localhost:1/none")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 func insertDedupRows(t *testing.T, db *testdb.DB, consumer string, n int, age time.Duration) {
@@ -62,8 +96,8 @@ func TestCleanerDeletesOnlyExpiredRowsInBatches(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	rec := &batchRecorder{db: db.Pool}
-	c, err := inbox.NewCleaner(inbox.CleanerConfig{DB: rec, Schema: db.Schema, BatchSize: 7})
+	rec := &batchRecorder{}
+	c, err := inbox.NewCleaner(inbox.CleanerConfig{Pool: tracedPool(t, db, rec), Schema: db.Schema, BatchSize: 7})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +148,7 @@ func TestCleanerPerConsumerAndSchedule(t *testing.T) {
 	insertDedupRows(t, f.db, "b", 4, 50*time.Hour)
 
 	// A 48h window for consumer b only: a's rows stay.
-	c, err := inbox.NewCleaner(inbox.CleanerConfig{DB: f.db.Pool, Schema: f.db.Schema, Window: 48 * time.Hour, Consumer: "b"})
+	c, err := inbox.NewCleaner(inbox.CleanerConfig{Pool: f.db.Pool, Schema: f.db.Schema, Window: 48 * time.Hour, Consumer: "b"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,12 +160,14 @@ func TestCleanerPerConsumerAndSchedule(t *testing.T) {
 	}
 
 	// Run cleans on its schedule until the context ends. A short window needs the override.
-	_, err = inbox.NewCleaner(inbox.CleanerConfig{DB: f.db.Pool, Schema: f.db.Schema, Window: time.Hour})
-	if err == nil || !strings.Contains(err.Error(), "under the 24h0m0s minimum") {
+	_, err = inbox.NewCleaner(inbox.CleanerConfig{Pool: f.db.Pool, Schema: f.db.Schema, Window: time.Hour})
+	if err == nil || !strings.Contains(err.Error(), "under the 24h0m0s minimum") || !strings.Contains(err.Error(), "set AllowShortWindow") {
 		t.Fatalf("1h window without override: %v", err)
 	}
 	insertDedupRows(t, f.db, "a", 2, 2*time.Hour)
-	c, err = inbox.NewCleaner(inbox.CleanerConfig{DB: f.db.Pool, Schema: f.db.Schema, Window: time.Hour, AllowShortWindow: true, Interval: 20 * time.Millisecond})
+	c, err = inbox.NewCleaner(inbox.CleanerConfig{
+		Pool: f.db.Pool, Schema: f.db.Schema, Window: time.Hour, AllowShortWindow: true, Schedule: retention.Every(20 * time.Millisecond),
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -147,17 +183,55 @@ func TestCleanerPerConsumerAndSchedule(t *testing.T) {
 
 func TestCleanerConfigValidation(t *testing.T) {
 	t.Parallel()
-	_, err := inbox.NewCleaner(inbox.CleanerConfig{Schema: "No", Window: 23 * time.Hour, BatchSize: -1, Interval: -time.Second, DailyAt: 25 * time.Hour, Consumer: "\x00"})
-	for _, want := range []string{"DB is nil", "invalid schema name", "Window is 23h0m0s, under the 24h0m0s minimum", "BatchSize is -1", "Interval is -1s", "DailyAt is 25h0m0s", "NUL"} {
+	_, err := inbox.NewCleaner(inbox.CleanerConfig{Schema: "No", Window: 23 * time.Hour, BatchSize: -1, Schedule: retention.DailyAt(24, 0), Consumer: "\x00"})
+	for _, want := range []string{"Pool is nil", "invalid schema name", "Window is 23h0m0s, under the 24h0m0s minimum", "BatchSize is -1",
+		"Schedule: DailyAt(24, 0): want hour 0-23 and minute 0-59 (UTC); midnight is DailyAt(0, 0)", "NUL"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("error %v does not report %q", err, want)
 		}
 	}
-	c, err := inbox.NewCleaner(inbox.CleanerConfig{DB: &batchRecorder{}})
+	if _, err := inbox.NewCleaner(inbox.CleanerConfig{Pool: lazyPool(t), Schedule: retention.Every(0)}); err == nil || !strings.Contains(err.Error(), "Every(0s): the interval must be positive") {
+		t.Errorf("Every(0) accepted: %v", err)
+	}
+
+	// The zero config cleans daily at 03:00 UTC, 72h, 1000 rows a batch.
+	c, err := inbox.NewCleaner(inbox.CleanerConfig{Pool: lazyPool(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg := c.Config(); cfg.Window != inbox.DefaultRetention || cfg.BatchSize != 1000 || cfg.DailyAt != 3*time.Hour || cfg.Schema != "onceflow" {
+	cfg := c.Config()
+	if cfg.Window != inbox.DefaultWindow || cfg.BatchSize != retention.DefaultBatchSize || cfg.Schema != "onceflow" || cfg.Logger == nil {
 		t.Fatalf("defaults %+v", cfg)
 	}
+	noon := time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+	if cfg.Schedule != retention.DefaultSchedule || !cfg.Schedule.Next(noon).Equal(noon.Add(15*time.Hour)) {
+		t.Fatalf("default schedule %v runs next at %s, want daily 03:00 UTC", cfg.Schedule, cfg.Schedule.Next(noon))
+	}
+
+	// Midnight is DailyAt(0, 0): no zero-value trap.
+	c, err = inbox.NewCleaner(inbox.CleanerConfig{Pool: lazyPool(t), Schedule: retention.DailyAt(0, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if next := c.Config().Schedule.Next(noon); !next.Equal(noon.Add(12 * time.Hour)) {
+		t.Fatalf("DailyAt(0, 0) runs next at %s, want midnight", next)
+	}
+}
+
+// ExampleCleaner keeps processed_event bounded from a long-running consumer process.
+func ExampleCleaner() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		panic(err)
+	}
+	cleaner, err := inbox.NewCleaner(inbox.CleanerConfig{
+		Pool:     pool,
+		Window:   7 * 24 * time.Hour,      // default 72h; keep it above the redelivery horizon
+		Schedule: retention.DailyAt(0, 0), // default daily at 03:00 UTC
+	})
+	if err != nil {
+		panic(err)
+	}
+	go cleaner.Run(ctx) // until ctx ends; or cleaner.Clean(ctx) for one pass, e.g. from a cron job
 }

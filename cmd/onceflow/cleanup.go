@@ -14,7 +14,8 @@ import (
 
 	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/inbox"
-	"github.com/onceflow/onceflow/internal/retention"
+	engine "github.com/onceflow/onceflow/internal/retention"
+	"github.com/onceflow/onceflow/retention"
 )
 
 // cleaner is one table `onceflow cleanup` keeps bounded. Add a line to cleaners for another
@@ -36,7 +37,7 @@ type cleanupOptions struct {
 
 var cleaners = []cleaner{
 	{"processed_event", "inbox dedup rows older than --window", cleanProcessedEvents},
-	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Retention)", cleanIdempotencyRecords},
+	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Window)", cleanIdempotencyRecords},
 }
 
 func cleanIdempotencyRecords(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
@@ -44,12 +45,12 @@ func cleanIdempotencyRecords(ctx context.Context, pool *pgxpool.Pool, o cleanupO
 	if err != nil {
 		return 0, err
 	}
-	return c.RunOnce(ctx)
+	return c.Clean(ctx)
 }
 
 func cleanProcessedEvents(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
 	c, err := inbox.NewCleaner(inbox.CleanerConfig{
-		DB: pool, Schema: o.schema, Window: o.window, AllowShortWindow: o.allowShort, BatchSize: o.batchSize, Logger: o.logger,
+		Pool: pool, Schema: o.schema, Window: o.window, AllowShortWindow: o.allowShort, BatchSize: o.batchSize, Logger: o.logger,
 	})
 	if err != nil {
 		return 0, err
@@ -68,11 +69,11 @@ func runCleanup(ctx context.Context, args []string) error {
 		"Deletes expired rows in batches that skip locked rows, so writers are never blocked.\n"+
 		"Runs once by default; with --every or --daily-at it keeps running until SIGTERM.\n\nTables:"+list.String())
 	db := addDBFlags(fs)
-	windowDefault := strings.TrimSuffix(inbox.DefaultRetention.String(), "0m0s") // "72h"
+	windowDefault := strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s") // "72h"
 	windowText := fs.String("window", envOr("ONCEFLOW_RETENTION_WINDOW", windowDefault),
 		"keep rows younger than this; must exceed the longest redelivery horizon [ONCEFLOW_RETENTION_WINDOW]")
 	allowShort := fs.Bool("allow-short-window", false, "accept a window under 24h (records deleted too early let late redeliveries run again)")
-	batchSize := fs.Int("batch-size", inbox.DefaultCleanBatch, "rows deleted (and locked) per statement")
+	batchSize := fs.Int("batch-size", retention.DefaultBatchSize, "rows deleted (and locked) per statement")
 	only := fs.String("only", "", "comma-separated tables to clean (default: all): "+strings.Join(names, ", "))
 	every := fs.Duration("every", 0, "keep running and clean at this interval, e.g. 1h")
 	dailyAt := fs.String("daily-at", "", "keep running and clean once a day at this UTC time, e.g. 03:00")
@@ -90,8 +91,8 @@ func runCleanup(ctx context.Context, args []string) error {
 	window, err := time.ParseDuration(*windowText)
 	if err != nil {
 		problems = append(problems, fmt.Errorf("--window %q is not a duration (e.g. 72h)", *windowText))
-	} else if err := retention.CheckWindow("--window", window, *allowShort); err != nil {
-		problems = append(problems, fmt.Errorf("%w (--allow-short-window)", err))
+	} else if err := engine.CheckWindow("--window", window, *allowShort, "--allow-short-window"); err != nil {
+		problems = append(problems, err)
 	}
 	if *batchSize <= 0 {
 		problems = append(problems, fmt.Errorf("--batch-size is %d; it must be positive", *batchSize))
@@ -117,11 +118,11 @@ func runCleanup(ctx context.Context, args []string) error {
 	case *every > 0:
 		schedule = retention.Every(*every)
 	case *dailyAt != "":
-		at, err := time.Parse("15:04", *dailyAt)
+		s, err := retention.ParseDailyAt(*dailyAt)
 		if err != nil {
-			problems = append(problems, fmt.Errorf("--daily-at %q is not a UTC time of day like 03:00", *dailyAt))
+			problems = append(problems, fmt.Errorf("--daily-at: %w", err))
 		} else {
-			schedule = retention.DailyAt(time.Duration(at.Hour())*time.Hour + time.Duration(at.Minute())*time.Minute)
+			schedule = s
 		}
 	}
 	if err := db.validate(); err != nil {
@@ -157,7 +158,7 @@ func runCleanup(ctx context.Context, args []string) error {
 		_, err := cleanAll(ctx)
 		return err
 	}
-	err = retention.Run(ctx, schedule, logger, cleanAll)
+	err = engine.Run(ctx, schedule, logger, cleanAll)
 	if errors.Is(err, context.Canceled) {
 		return nil // stopped by SIGTERM or Ctrl-C: a normal end for a scheduled cleaner
 	}

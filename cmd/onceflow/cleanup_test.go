@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -37,6 +38,9 @@ func TestCleanupCommand(t *testing.T) {
 		{"--only", "nope"},
 		{"--every", "1h", "--daily-at", "03:00"},
 		{"--daily-at", "25:00"},
+		{"--daily-at", "24:00"}, // midnight is 00:00
+		{"--daily-at", "3am"},
+		{"--every", "-1h"},
 		{"--batch-size", "0"},
 	} {
 		if code := run(ctx, append(append([]string{}, base...), bad...)); code != 1 {
@@ -114,5 +118,21 @@ func TestCleanupIdempotencyRecords(t *testing.T) {
 	}
 	if expired != 0 || live != 3 || processed != 1 {
 		t.Fatalf("after cleanup: %d expired, %d live records, %d processed_event rows; want 0, 3, 1 (--only respected)", expired, live, processed)
+	}
+}
+
+// The schedule flags map onto the public retention constructors, with errors that say the
+// expected form.
+func TestCleanupScheduleFlags(t *testing.T) {
+	for _, c := range []struct {
+		flag, value, want string
+	}{
+		{"--daily-at", "24:00", `--daily-at: retention: "24:00" is not a UTC time of day HH:MM from 00:00 (midnight) to 23:59, e.g. 03:00`},
+		{"--every", "-1h", "--every is -1h0m0s; it must be positive"},
+	} {
+		err := runCleanup(context.Background(), []string{"--database-url", "postgres://localhost:1/none", c.flag, c.value})
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s %s: %v, want %q", c.flag, c.value, err, c.want)
+		}
 	}
 }

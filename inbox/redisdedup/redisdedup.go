@@ -12,7 +12,7 @@
 //
 // Each message goes through three states:
 //
-//	(absent) --claim: SET NX PX Lease--> processing --handler ok: SET PX TTL--> done
+//	(absent) --claim: SET NX PX Lease--> processing --handler ok: SET PX Window--> done
 //	                                         \--handler error/panic: DEL (own claim only)--> (absent)
 //
 // A delivery that finds "done" is acknowledged as a duplicate. One that finds "processing"
@@ -39,14 +39,17 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/onceflow/onceflow/inbox"
-	"github.com/onceflow/onceflow/internal/retention"
+	engine "github.com/onceflow/onceflow/internal/retention"
 )
 
 // Defaults.
 const (
+	// DefaultPrefix starts every key.
 	DefaultPrefix = "onceflow:dedup:"
-	DefaultTTL    = inbox.DefaultRetention // 72h, like the inbox's retention window
-	DefaultLease  = time.Minute
+	// DefaultWindow is how long a "done" record is kept: 72h, the inbox's DefaultWindow.
+	DefaultWindow = inbox.DefaultWindow
+	// DefaultLease is how long a claim protects a message being processed.
+	DefaultLease = time.Minute
 )
 
 // ErrInProgress is returned (wrapped) when another delivery of the message holds the claim.
@@ -66,11 +69,14 @@ type Config struct {
 	// Prefix starts every key. Default "onceflow:dedup:", giving keys such as
 	// onceflow:dedup:mailer:event:0193….
 	Prefix string
-	// TTL is how long a "done" record is kept: the retention window. Default 72h. It must
-	// exceed the longest redelivery horizon; under 24h is refused unless AllowShortTTL.
-	TTL time.Duration
-	// AllowShortTTL accepts a TTL under 24h. Default false.
-	AllowShortTTL bool
+	// Window is how long a "done" record is kept (its Redis TTL), as inbox.CleanerConfig.Window
+	// is for processed_event rows. Default DefaultWindow (72h). It must exceed the longest
+	// redelivery horizon: a redelivery after the record expired runs the handler again.
+	Window time.Duration
+	// AllowShortWindow accepts a Window under retention.MinWindow (24h), for tests and
+	// consumers whose redelivery horizon is provably short. Default false: such a window is
+	// refused.
+	AllowShortWindow bool
 	// Lease is how long a claim protects a message being processed. Default 1m. It must exceed
 	// the handler's longest run (bound it with middleware.Timeout); a crashed consumer's
 	// message is redelivered and run again once its lease expires.
@@ -95,8 +101,8 @@ func New(cfg Config) (*Store, error) {
 	if cfg.Prefix == "" {
 		cfg.Prefix = DefaultPrefix
 	}
-	if cfg.TTL == 0 {
-		cfg.TTL = DefaultTTL
+	if cfg.Window == 0 {
+		cfg.Window = DefaultWindow
 	}
 	if cfg.Lease == 0 {
 		cfg.Lease = DefaultLease
@@ -111,8 +117,8 @@ func New(cfg Config) (*Store, error) {
 	case strings.ContainsAny(cfg.Consumer, ":\x00") || len(cfg.Consumer) > inbox.MaxConsumerBytes:
 		problems = append(problems, fmt.Errorf("Consumer %q must not contain ':' or NUL and must be at most %d bytes", cfg.Consumer, inbox.MaxConsumerBytes))
 	}
-	if err := retention.CheckWindow("TTL", cfg.TTL, cfg.AllowShortTTL); err != nil {
-		problems = append(problems, fmt.Errorf("%w (Config.AllowShortTTL)", err))
+	if err := engine.CheckWindow("Window", cfg.Window, cfg.AllowShortWindow, "AllowShortWindow"); err != nil {
+		problems = append(problems, err)
 	}
 	if cfg.Lease < time.Millisecond {
 		problems = append(problems, fmt.Errorf("Lease is %s; use 0 for the default (%s) or at least 1ms, longer than the handler's longest run", cfg.Lease, DefaultLease))
@@ -207,7 +213,7 @@ func (s *Store) Claim(ctx context.Context, dedupKey string) (Claim, error) {
 	return c, nil
 }
 
-// MarkDone records that the claimed message's effect happened, for TTL. It overwrites the key
+// MarkDone records that the claimed message's effect happened, for Window. It overwrites the key
 // whatever it holds: the effect did happen, and a concurrent claimer (possible only after this
 // claim's lease expired) can no longer release the record.
 func (s *Store) MarkDone(ctx context.Context, c Claim) error {
@@ -215,7 +221,7 @@ func (s *Store) MarkDone(ctx context.Context, c Claim) error {
 		return fmt.Errorf("redisdedup: MarkDone on a %v claim", c.Outcome)
 	}
 	done := donePrefix + strings.TrimPrefix(c.token, processingPrefix)
-	if err := s.cfg.Client.Set(ctx, c.key, done, s.cfg.TTL).Err(); err != nil {
+	if err := s.cfg.Client.Set(ctx, c.key, done, s.cfg.Window).Err(); err != nil {
 		return fmt.Errorf("redisdedup: mark %q done: %w", c.key, err)
 	}
 	return nil

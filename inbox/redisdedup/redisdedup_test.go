@@ -282,17 +282,17 @@ func TestNoKeyAndConfig(t *testing.T) {
 		t.Fatalf("DropNoKey: %v", err)
 	}
 
-	_, err := redisdedup.New(redisdedup.Config{Consumer: "a:b", TTL: time.Hour, Lease: -1, NoKeyPolicy: 9})
-	for _, want := range []string{"Client is nil", "must not contain ':'", "TTL is 1h0m0s, under the 24h0m0s minimum", "Lease is -1ns", "NoKeyPolicy is NoKeyPolicy(9)"} {
+	_, err := redisdedup.New(redisdedup.Config{Consumer: "a:b", Window: time.Hour, Lease: -1, NoKeyPolicy: 9})
+	for _, want := range []string{"Client is nil", "must not contain ':'", "Window is 1h0m0s, under the 24h0m0s minimum", "Lease is -1ns", "NoKeyPolicy is NoKeyPolicy(9)"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("error %v does not report %q", err, want)
 		}
 	}
-	short, err := redisdedup.New(redisdedup.Config{Client: client, Consumer: "m", TTL: time.Hour, AllowShortTTL: true})
+	short, err := redisdedup.New(redisdedup.Config{Client: client, Consumer: "m", Window: time.Hour, AllowShortWindow: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c := short.Config(); c.TTL != time.Hour || c.Lease != redisdedup.DefaultLease || c.Prefix != redisdedup.DefaultPrefix {
+	if c := short.Config(); c.Window != time.Hour || c.Lease != redisdedup.DefaultLease || c.Prefix != redisdedup.DefaultPrefix {
 		t.Fatalf("config %+v", c)
 	}
 }

@@ -1,5 +1,10 @@
-// Package retention is the shared engine behind onceflow's cleaners: window validation,
-// deletion in bounded batches, and a schedule to run a cleaner inside a long-running process.
+// Package retention is the engine behind onceflow's cleaners: window validation, deletion in
+// bounded batches, and the loop that runs a cleaner on a schedule inside a long-running
+// process.
+//
+// The user-facing vocabulary (Schedule, Every, DailyAt, DefaultSchedule, MinWindow) is the
+// public package github.com/onceflow/onceflow/retention. internal/ imports no public package,
+// so this one takes any value with a Next method, which every public Schedule has.
 package retention
 
 import (
@@ -11,20 +16,23 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// MinWindow is the shortest retention accepted without an explicit override: a dedup or
-// idempotency record must outlive every realistic redelivery or client retry.
+// MinWindow is the shortest retention accepted without an explicit override. The public
+// retention.MinWindow has the same value (a test pins it).
 const MinWindow = 24 * time.Hour
 
-// DefaultBatchSize bounds the rows one delete statement removes (and locks).
+// DefaultBatchSize bounds the rows one delete statement removes (and locks). The public
+// retention.DefaultBatchSize has the same value (a test pins it).
 const DefaultBatchSize = 1000
 
-// CheckWindow refuses a window under MinWindow unless allowShort is set, and any window <= 0.
-func CheckWindow(name string, window time.Duration, allowShort bool) error {
+// CheckWindow refuses a window <= 0, and one under MinWindow unless allowShort is set. name
+// and override are the field (or flag) names the error quotes, e.g. "Window" and
+// "AllowShortWindow".
+func CheckWindow(name string, window time.Duration, allowShort bool, override string) error {
 	if window <= 0 {
-		return fmt.Errorf("%s is %s; it must be positive", name, window)
+		return fmt.Errorf("%s is %s; it must be positive (leave it 0 in a config for the default)", name, window)
 	}
 	if window < MinWindow && !allowShort {
-		return fmt.Errorf("%s is %s, under the %s minimum: records deleted too early let late redeliveries or retries run again; raise it or set the explicit short-retention override", name, window, MinWindow)
+		return fmt.Errorf("%s is %s, under the %s minimum: records deleted too early let late redeliveries or retries run again; raise it, or set %s if the redelivery horizon is provably shorter", name, window, MinWindow, override)
 	}
 	return nil
 }
@@ -60,42 +68,35 @@ func DeleteInBatches(ctx context.Context, db Execer, query string, batchSize int
 	}
 }
 
-// Schedule says when a cleaner runs next.
+// Schedule says when a cleaner runs next: the method set of the public retention.Schedule.
 type Schedule interface {
 	Next(now time.Time) time.Time
 }
 
-// Every runs at a fixed interval.
-type Every time.Duration
-
-// Next implements Schedule.
-func (e Every) Next(now time.Time) time.Time { return now.Add(time.Duration(e)) }
-
-// DailyAt runs once a day at the given UTC time of day (e.g. 3*time.Hour for 03:00 UTC).
-type DailyAt time.Duration
-
-// DefaultDaily is 03:00 UTC, when most services are quiet.
-const DefaultDaily = DailyAt(3 * time.Hour)
-
-// Next implements Schedule.
-func (d DailyAt) Next(now time.Time) time.Time {
-	now = now.UTC()
-	next := now.Truncate(24 * time.Hour).Add(time.Duration(d))
-	if !next.After(now) {
-		next = next.Add(24 * time.Hour)
+// CheckSchedule reports a schedule that cannot run: nil, or one whose Validate method (the
+// public Every and DailyAt have one; users' own schedules may) returns an error.
+func CheckSchedule(s Schedule) error {
+	if s == nil {
+		return fmt.Errorf("the schedule is nil")
 	}
-	return next
+	if v, ok := s.(interface{ Validate() error }); ok {
+		return v.Validate()
+	}
+	return nil
 }
 
 // Run calls clean at every time the schedule gives until ctx ends. A failed run is logged and
-// retried at the next scheduled time; Run returns ctx's error.
+// retried at the next scheduled time; Run returns ctx's error, or at once the error of a
+// schedule that cannot run (CheckSchedule).
 func Run(ctx context.Context, s Schedule, logger *slog.Logger, clean func(context.Context) (int64, error)) error {
+	if err := CheckSchedule(s); err != nil {
+		return fmt.Errorf("retention: %w", err)
+	}
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
 	for {
-		wait := time.Until(s.Next(time.Now()))
-		t := time.NewTimer(wait)
+		t := time.NewTimer(time.Until(s.Next(time.Now())))
 		select {
 		case <-ctx.Done():
 			t.Stop()
@@ -105,6 +106,9 @@ func Run(ctx context.Context, s Schedule, logger *slog.Logger, clean func(contex
 		start := time.Now()
 		n, err := clean(ctx)
 		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err() // stopped mid-run: not a failure worth an error line
+			}
 			logger.Error("retention cleanup failed; retrying at the next scheduled time", "err", err, "deleted", n)
 			continue
 		}

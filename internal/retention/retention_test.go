@@ -2,6 +2,7 @@ package retention
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -19,33 +20,50 @@ func TestCheckWindow(t *testing.T) {
 	}{
 		{72 * time.Hour, false, ""},
 		{24 * time.Hour, false, ""},
-		{23 * time.Hour, false, "under the 24h0m0s minimum"},
+		{23 * time.Hour, false, "under the 24h0m0s minimum: records deleted too early let late redeliveries or retries run again; raise it, or set AllowShortWindow"},
 		{time.Hour, true, ""},
 		{0, true, "must be positive"},
 		{-time.Hour, false, "must be positive"},
 	}
 	for _, c := range cases {
-		err := CheckWindow("Retention", c.window, c.allowShort)
+		err := CheckWindow("Window", c.window, c.allowShort, "AllowShortWindow")
 		if c.wantErr == "" && err != nil || c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)) {
 			t.Errorf("CheckWindow(%s, %v) = %v, want %q", c.window, c.allowShort, err, c.wantErr)
 		}
 	}
 }
 
-func TestDailyAt(t *testing.T) {
-	d := DailyAt(3 * time.Hour)
-	cases := []struct{ now, want string }{
-		{"2026-11-30T02:59:00Z", "2026-11-30T03:00:00Z"},
-		{"2026-11-30T03:00:00Z", "2026-12-01T03:00:00Z"},
-		{"2026-11-30T23:00:00Z", "2026-12-01T03:00:00Z"},
+func TestCheckSchedule(t *testing.T) {
+	cases := []struct {
+		s       Schedule
+		wantErr string
+	}{
+		{nil, "nil"},
+		{every(time.Second), ""},
+		{bad{}, "cannot run"},
 	}
 	for _, c := range cases {
-		now, _ := time.Parse(time.RFC3339, c.now)
-		if got := d.Next(now).Format(time.RFC3339); got != c.want {
-			t.Errorf("Next(%s) = %s, want %s", c.now, got, c.want)
+		err := CheckSchedule(c.s)
+		if c.wantErr == "" && err != nil || c.wantErr != "" && (err == nil || !strings.Contains(err.Error(), c.wantErr)) {
+			t.Errorf("CheckSchedule(%v) = %v, want %q", c.s, err, c.wantErr)
 		}
 	}
+	if err := Run(context.Background(), bad{}, nil, nil); err == nil || !strings.Contains(err.Error(), "cannot run") {
+		t.Errorf("Run with an invalid schedule = %v, want the schedule's error at once", err)
+	}
 }
+
+// every is a test schedule (the real ones are in the public retention package, which
+// internal/ must not import).
+type every time.Duration
+
+func (e every) Next(now time.Time) time.Time { return now.Add(time.Duration(e)) }
+
+// bad is a schedule whose Validate refuses it.
+type bad struct{}
+
+func (bad) Next(now time.Time) time.Time { return now }
+func (bad) Validate() error              { return errors.New("cannot run") }
 
 type fakeExec struct{ remaining, calls int64 }
 
@@ -70,7 +88,7 @@ func TestRunCallsCleanerOnSchedule(t *testing.T) {
 	var calls atomic.Int32
 	done := make(chan error)
 	go func() {
-		done <- Run(ctx, Every(time.Millisecond), nil, func(context.Context) (int64, error) {
+		done <- Run(ctx, every(time.Millisecond), nil, func(context.Context) (int64, error) {
 			if calls.Add(1) == 3 {
 				cancel()
 			}
@@ -79,5 +97,17 @@ func TestRunCallsCleanerOnSchedule(t *testing.T) {
 	}()
 	if err := <-done; err != context.Canceled || calls.Load() < 3 {
 		t.Fatalf("Run = %v after %d calls", err, calls.Load())
+	}
+}
+
+// A run cut short by ctx ends Run with ctx's error, without waiting for the next time.
+func TestRunStopsWhenCancelledMidRun(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	err := Run(ctx, every(time.Millisecond), nil, func(ctx context.Context) (int64, error) {
+		cancel()
+		return 0, ctx.Err()
+	})
+	if err != context.Canceled {
+		t.Fatalf("Run = %v, want context.Canceled", err)
 	}
 }
