@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 
+	"github.com/onceflow/onceflow/internal/config"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
@@ -71,8 +73,8 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 	if err := engine.CheckSchedule(cfg.Schedule); err != nil {
 		problems = append(problems, fmt.Errorf("Schedule: %w", err))
 	}
-	if err := errors.Join(problems...); err != nil {
-		return nil, fmt.Errorf("idempotency: invalid cleaner config: %w", err)
+	if err := config.Check("idempotency cleaner", problems...); err != nil {
+		return nil, err
 	}
 	t := pgsql.Table(cfg.Schema, "idempotency_record")
 	// The inner SELECT walks the expires_at index; SKIP LOCKED leaves rows a request holds.

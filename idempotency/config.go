@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/onceflow/onceflow/internal/config"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
@@ -137,7 +139,7 @@ type Config struct {
 	// Default DefaultProblemBase.
 	ProblemBase string
 
-	// Logger receives storage failures, panics and owner errors. Default: discard.
+	// Logger receives storage failures, panics and owner errors. Default slog.Default().
 	Logger *slog.Logger
 	// Metrics observes the outcome of every covered request that carries a key. Default NopMetrics{}.
 	Metrics Metrics
@@ -252,13 +254,13 @@ func (c Config) withDefaults() (Config, error) {
 		problems = append(problems, fmt.Errorf("ProblemBase: %w", err))
 	}
 	if c.Logger == nil {
-		c.Logger = slog.New(slog.DiscardHandler)
+		c.Logger = slog.Default()
 	}
 	if c.Metrics == nil {
 		c.Metrics = NopMetrics{}
 	}
-	if err := errors.Join(problems...); err != nil {
-		return c, fmt.Errorf("idempotency: invalid config: %w", err)
+	if err := config.Check("idempotency", problems...); err != nil {
+		return c, err
 	}
 	return c, nil
 }

@@ -7,6 +7,8 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/onceflow/onceflow/internal/config"
+
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
@@ -94,8 +96,8 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 	if err := engine.CheckSchedule(cfg.Schedule); err != nil {
 		problems = append(problems, fmt.Errorf("Schedule: %w", err))
 	}
-	if err := errors.Join(problems...); err != nil {
-		return nil, fmt.Errorf("inbox: invalid cleaner config: %w", err)
+	if err := config.Check("inbox cleaner", problems...); err != nil {
+		return nil, err
 	}
 	table := pgsql.Table(cfg.Schema, "processed_event")
 	// The age is measured on the database clock, the one that wrote processed_at, so clock

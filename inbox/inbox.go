@@ -43,6 +43,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/onceflow/onceflow/internal/config"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
@@ -119,8 +121,8 @@ func New(cfg Config) (*Inbox, error) {
 		}
 		cfg.Writer = w
 	}
-	if err := errors.Join(problems...); err != nil {
-		return nil, fmt.Errorf("inbox: invalid config: %w", err)
+	if err := config.Check("inbox", problems...); err != nil {
+		return nil, err
 	}
 	if cfg.KeyFunc == nil {
 		cfg.KeyFunc = DefaultKey

@@ -20,6 +20,8 @@ import (
 	"fmt"
 	"hash/fnv"
 
+	"github.com/onceflow/onceflow/internal/config"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -102,8 +104,8 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if cfg.MaxPayloadBytes == 0 {
 		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
 	}
-	if err := errors.Join(problems...); err != nil {
-		return nil, fmt.Errorf("outbox: invalid config: %w", err)
+	if err := config.Check("outbox", problems...); err != nil {
+		return nil, err
 	}
 	return &Writer{cfg: cfg, insertSQL: insertSQL(cfg, "$1"), insertRoutedSQL: insertSQL(cfg, "t")}, nil
 }

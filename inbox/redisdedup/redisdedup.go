@@ -35,6 +35,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/onceflow/onceflow/internal/config"
+
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/redis/go-redis/v9"
 
@@ -126,8 +128,8 @@ func New(cfg Config) (*Store, error) {
 	if cfg.NoKeyPolicy != inbox.RejectNoKey && cfg.NoKeyPolicy != inbox.DropNoKey {
 		problems = append(problems, fmt.Errorf("NoKeyPolicy is %v; use inbox.RejectNoKey (default) or inbox.DropNoKey", cfg.NoKeyPolicy))
 	}
-	if err := errors.Join(problems...); err != nil {
-		return nil, fmt.Errorf("redisdedup: invalid config: %w", err)
+	if err := config.Check("redisdedup", problems...); err != nil {
+		return nil, err
 	}
 	if cfg.KeyFunc == nil {
 		cfg.KeyFunc = inbox.DefaultKey
