@@ -56,7 +56,8 @@ type Status struct {
 type Options struct {
 	// Schema holds every onceflow table. Default "onceflow". Must be a plain identifier.
 	Schema string
-	// Logger receives one line per applied step. Default: discard.
+	// Logger receives one line per applied step, and a warning per step in the schema that
+	// this binary does not know (a newer release applied it). Default: discard.
 	Logger *slog.Logger
 }
 
