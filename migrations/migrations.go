@@ -1,9 +1,11 @@
 // Package migrations holds onceflow's versioned SQL, embedded in the binary, and applies it.
 //
-// Up is safe to run from every process at start-up: a session advisory lock serialises
+// Up is safe to run from every process at start-up: a per-schema advisory lock serialises
 // concurrent runs, each step runs in its own transaction together with its version row, and
-// steps already recorded are skipped, so a second run is a no-op. Teams that manage schema
-// with goose, golang-migrate or atlas can take the SQL from Print instead.
+// steps already recorded are skipped, so a second run is a no-op. UpTx applies the steps in
+// the caller's transaction instead, under the same lock. Validate tells a service at start-up
+// whether its schema has every step it needs, with the command to run when it has not.
+// Teams that manage schema with goose, golang-migrate or atlas can take the SQL from Print.
 package migrations
 
 import (
@@ -45,13 +47,17 @@ type Migration struct {
 type Status struct {
 	Migration
 	AppliedAt *time.Time // nil when pending
+	// Unknown is true for a step recorded in the schema that this binary does not embed: a
+	// newer onceflow applied it. Its SQL is unknown; Version, Name and AppliedAt are set.
+	Unknown bool
 }
 
 // Options configures where the tables live.
 type Options struct {
 	// Schema holds every onceflow table. Default "onceflow". Must be a plain identifier.
 	Schema string
-	// Logger receives one line per applied step. Default: discard.
+	// Logger receives one line per applied step, and a warning per step in the schema that
+	// this binary does not know (a newer release applied it). Default: discard.
 	Logger *slog.Logger
 }
 
@@ -97,69 +103,282 @@ func (m Migration) SQL(schema string) string {
 	return strings.ReplaceAll(m.sql, schemaToken, pgsql.Ident(schema))
 }
 
-// Up applies every pending migration and returns those it applied (none when up to date).
+// DB is what Statuses and Validate read through: a *pgxpool.Pool, *pgx.Conn or pgx.Tx.
+// Passing the transaction that is about to use the tables checks exactly what it will see.
+type DB interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Up applies every pending migration and returns those it applied (none when up to date; on
+// an error, those committed before it).
+//
+// Each step commits in a transaction of its own, together with its version row, under the
+// same per-schema lock UpTx takes; so concurrent runs queue, a failed step leaves the steps
+// before it applied, and the next run resumes at the failed one. Up waits for a migrator that
+// holds the lock (another Up, or an UpTx whose transaction is still open) until ctx ends.
 func Up(ctx context.Context, pool *pgxpool.Pool, opts Options) ([]Migration, error) {
 	opts, err := opts.withDefaults()
 	if err != nil {
 		return nil, err
 	}
 	var applied []Migration
-	err = withLock(ctx, pool, opts.Schema, func(conn *pgx.Conn) error {
-		done, err := appliedVersions(ctx, conn, opts.Schema)
-		if err != nil {
+	for {
+		var step, unknown []Migration
+		// READ COMMITTED explicitly: the server's default_transaction_isolation may be stricter,
+		// and migrate needs each statement to see what an earlier lock holder committed.
+		err := pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+			var err error
+			step, unknown, err = migrate(ctx, tx, opts, 1)
 			return err
+		})
+		if err != nil {
+			return applied, err
 		}
-		for _, m := range All() {
-			if _, ok := done[m.Version]; ok {
-				continue
-			}
-			err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-				if _, err := tx.Exec(ctx, m.SQL(opts.Schema)); err != nil {
-					return err
-				}
-				_, err := tx.Exec(ctx, "INSERT INTO "+pgsql.Table(opts.Schema, versionTable)+" (version, name) VALUES ($1, $2)", m.Version, m.Name)
-				return err
-			})
-			if err != nil {
-				return fmt.Errorf("migrations: apply %04d_%s to schema %q: %w", m.Version, m.Name, opts.Schema, err)
-			}
+		if len(step) == 0 {
+			warnUnknown(opts, unknown)
+			return applied, nil
+		}
+		for _, m := range step {
 			opts.Logger.Info("migration applied", "schema", opts.Schema, "version", m.Version, "name", m.Name)
-			applied = append(applied, m)
 		}
-		return nil
-	})
-	return applied, err
+		applied = append(applied, step...)
+	}
 }
 
-// Statuses lists every known migration and when it was applied in the schema.
-func Statuses(ctx context.Context, pool *pgxpool.Pool, opts Options) ([]Status, error) {
+// UpTx applies every pending migration inside tx and returns those it ran; they take effect
+// when the caller commits tx, and vanish if it rolls back. Use it to create onceflow's tables
+// in the same transaction as the application's own schema changes.
+//
+// Locking: UpTx first takes pg_advisory_xact_lock on the same per-schema key Up uses, so two
+// processes never migrate one schema at once: a second UpTx (or Up) waits until tx commits or
+// rolls back, then sees the steps tx applied and runs only what is still pending. The lock is
+// held until tx ends, so keep the transaction short after UpTx; other migrators of the schema
+// queue behind it (relays and handlers do not take this lock and are not blocked by it, only
+// by the DDL's own table locks).
+//
+// tx must be READ COMMITTED, PostgreSQL's default: at a stricter isolation level a transaction
+// that waited for the lock would read the version table as it was before the other migrator
+// committed, and apply the steps again. UpTx refuses such a transaction.
+//
+// When a step fails, UpTx returns no steps and tx is aborted: roll it back, and nothing of
+// this call is applied.
+func UpTx(ctx context.Context, tx pgx.Tx, opts Options) ([]Migration, error) {
 	opts, err := opts.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	var exists bool
-	if err := pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", pgsql.Table(opts.Schema, versionTable)).Scan(&exists); err != nil {
-		return nil, fmt.Errorf("migrations: read status: %w", err)
+	applied, unknown, err := migrate(ctx, tx, opts, 0)
+	for _, m := range applied {
+		opts.Logger.Info("migration run in the caller's transaction; applied when it commits", "schema", opts.Schema, "version", m.Version, "name", m.Name)
 	}
-	done := map[int]time.Time{}
+	warnUnknown(opts, unknown)
+	return applied, err
+}
+
+// lockSQL takes the per-schema migration lock for the rest of the transaction. The key is
+// shared by Up and UpTx; the same key in PostgreSQL's advisory lock space also conflicts with
+// the session-level lock older onceflow releases took, so mixed versions still queue.
+const lockSQL = "SELECT pg_advisory_xact_lock(hashtext('onceflow.migrate'), hashtext($1))"
+
+// migrate is the engine behind Up and UpTx: in tx, it takes the schema's migration lock,
+// creates the schema and version table if needed, and applies up to limit pending steps in
+// version order (limit 0 = all). It also returns the recorded steps this binary does not know.
+func migrate(ctx context.Context, tx pgx.Tx, opts Options, limit int) (applied, unknown []Migration, err error) {
+	var isolation string
+	if err := tx.QueryRow(ctx, "SELECT current_setting('transaction_isolation')").Scan(&isolation); err != nil {
+		return nil, nil, fmt.Errorf("migrations: read transaction isolation: %w", err)
+	}
+	if isolation != "read committed" {
+		return nil, nil, fmt.Errorf("migrations: the transaction is %s; migrating needs READ COMMITTED (PostgreSQL's default), "+
+			"because a transaction that waits for another migrator must then see what that one committed; "+
+			"begin it with pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, or call migrations.Up", strings.ToUpper(isolation))
+	}
+	if _, err := tx.Exec(ctx, lockSQL, opts.Schema); err != nil {
+		return nil, nil, fmt.Errorf("migrations: take the migration lock of schema %q: %w", opts.Schema, err)
+	}
+	if _, err := tx.Exec(ctx, bootstrapSQL(opts.Schema)); err != nil {
+		return nil, nil, fmt.Errorf("migrations: create schema %q: %w", opts.Schema, err)
+	}
+	recorded, err := recordedSteps(ctx, tx, opts.Schema)
+	if err != nil {
+		return nil, nil, err
+	}
+	known := map[int]bool{}
+	for _, m := range All() {
+		known[m.Version] = true
+		if _, ok := recorded[m.Version]; ok || (limit > 0 && len(applied) == limit) {
+			continue
+		}
+		if _, err := tx.Exec(ctx, m.SQL(opts.Schema)); err != nil {
+			return nil, nil, fmt.Errorf("migrations: apply %04d_%s to schema %q: %w", m.Version, m.Name, opts.Schema, err)
+		}
+		if _, err := tx.Exec(ctx, "INSERT INTO "+pgsql.Table(opts.Schema, versionTable)+" (version, name) VALUES ($1, $2)", m.Version, m.Name); err != nil {
+			return nil, nil, fmt.Errorf("migrations: record %04d_%s in schema %q: %w", m.Version, m.Name, opts.Schema, err)
+		}
+		applied = append(applied, m)
+	}
+	for v, r := range recorded {
+		if !known[v] {
+			unknown = append(unknown, Migration{Version: v, Name: r.name})
+		}
+	}
+	sort.Slice(unknown, func(i, j int) bool { return unknown[i].Version < unknown[j].Version })
+	return applied, unknown, nil
+}
+
+// Statuses lists every known migration and when it was applied in the schema, in version
+// order. Steps recorded in the schema that this binary does not know (a newer onceflow
+// applied them) are listed too, with Unknown set.
+func Statuses(ctx context.Context, db DB, opts Options) ([]Status, error) {
+	opts, err := opts.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	statuses, _, err := readStatuses(ctx, db, opts.Schema)
+	return statuses, err
+}
+
+// ErrNotMigrated is what a *NotMigratedError matches with errors.Is: the schema lacks steps
+// this binary needs.
+var ErrNotMigrated = errors.New("migrations: schema is not migrated")
+
+// NotMigratedError is Validate's report of a schema that lacks steps this binary needs. Its
+// message names the steps and the command to run, so a service can return it as is.
+type NotMigratedError struct {
+	// Schema is the schema that was checked.
+	Schema string
+	// Pending lists the steps this binary has that the schema lacks, in version order.
+	Pending []Migration
+	// Unknown lists steps the schema has that this binary does not know (a newer onceflow
+	// applied them), in version order; usually empty.
+	Unknown []Status
+	// NeverMigrated is true when the schema has no version table at all.
+	NeverMigrated bool
+}
+
+// Error says what is missing and what to run.
+func (e *NotMigratedError) Error() string {
+	var b strings.Builder
+	if e.NeverMigrated {
+		fmt.Fprintf(&b, "migrations: schema %q has never been migrated (it has no %s table)", e.Schema, versionTable)
+	} else {
+		fmt.Fprintf(&b, "migrations: schema %q is not migrated", e.Schema)
+	}
+	fmt.Fprintf(&b, ": %d of %d steps pending (%s)", len(e.Pending), len(All()), stepList(e.Pending))
+	if len(e.Unknown) > 0 {
+		ms := make([]Migration, len(e.Unknown))
+		for i, s := range e.Unknown {
+			ms[i] = s.Migration
+		}
+		fmt.Fprintf(&b, ", and it has steps this binary does not know (%s), applied by a newer onceflow", stepList(ms))
+	}
+	fmt.Fprintf(&b, "; run `onceflow migrate up --schema %s` (or migrations.Up from Go) before starting", e.Schema)
+	return b.String()
+}
+
+// Unwrap makes errors.Is(err, ErrNotMigrated) true.
+func (e *NotMigratedError) Unwrap() error { return ErrNotMigrated }
+
+func stepList(ms []Migration) string {
+	names := make([]string, len(ms))
+	for i, m := range ms {
+		names[i] = fmt.Sprintf("%04d_%s", m.Version, m.Name)
+	}
+	return strings.Join(names, ", ")
+}
+
+// Validate reports whether the schema has every step this binary embeds: nil when it has, a
+// *NotMigratedError (errors.Is ErrNotMigrated) naming the pending steps and the command to run
+// when it has not, or another error when the schema could not be read. It only reads and
+// takes no lock; call it at start-up, before using the tables.
+//
+// Steps newer than this binary (recorded in the schema, unknown here) are not an error: they
+// are logged as a warning on opts.Logger and listed by Statuses with Unknown set. That is
+// what a rolling deploy needs, where the new release migrates while old processes still run
+// or restart; onceflow's steps only add tables, columns and indexes, so an older release keeps
+// working on a newer schema. (Flyway's validate ignores such "future" migrations by default
+// for the same reason.) Callers that want to refuse instead can check Statuses for Unknown.
+func Validate(ctx context.Context, db DB, opts Options) error {
+	opts, err := opts.withDefaults()
+	if err != nil {
+		return err
+	}
+	statuses, exists, err := readStatuses(ctx, db, opts.Schema)
+	if err != nil {
+		return err
+	}
+	nm := &NotMigratedError{Schema: opts.Schema, NeverMigrated: !exists}
+	for _, s := range statuses {
+		switch {
+		case s.Unknown:
+			nm.Unknown = append(nm.Unknown, s)
+		case s.AppliedAt == nil:
+			nm.Pending = append(nm.Pending, s.Migration)
+		}
+	}
+	if len(nm.Pending) > 0 {
+		return nm
+	}
+	unknown := make([]Migration, len(nm.Unknown))
+	for i, s := range nm.Unknown {
+		unknown[i] = s.Migration
+	}
+	warnUnknown(opts, unknown)
+	return nil
+}
+
+// warnUnknown logs the steps recorded in the schema that this binary does not embed.
+func warnUnknown(opts Options, unknown []Migration) {
+	for _, m := range unknown {
+		opts.Logger.Warn("schema has a migration this binary does not know: a newer onceflow applied it; upgrade this binary",
+			"schema", opts.Schema, "version", m.Version, "name", m.Name)
+	}
+}
+
+// readStatuses reads the version table (if any) and merges it with the embedded steps.
+func readStatuses(ctx context.Context, db DB, schema string) (statuses []Status, exists bool, err error) {
+	// Check for the table first: querying a missing table would abort a caller's transaction.
+	if err := db.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", pgsql.Table(schema, versionTable)).Scan(&exists); err != nil {
+		return nil, false, fmt.Errorf("migrations: read the status of schema %q: %w", schema, err)
+	}
+	recorded := map[int]recordedStep{}
 	if exists {
-		rows, err := pool.Query(ctx, "SELECT version, applied_at FROM "+pgsql.Table(opts.Schema, versionTable))
-		if err != nil {
-			return nil, fmt.Errorf("migrations: read status: %w", err)
-		}
-		var v int
-		var at time.Time
-		if _, err := pgx.ForEachRow(rows, []any{&v, &at}, func() error { done[v] = at; return nil }); err != nil {
-			return nil, fmt.Errorf("migrations: read status: %w", err)
+		if recorded, err = recordedSteps(ctx, db, schema); err != nil {
+			return nil, true, err
 		}
 	}
-	var out []Status
 	for _, m := range All() {
 		s := Status{Migration: m}
-		if at, ok := done[m.Version]; ok {
-			s.AppliedAt = &at
+		if r, ok := recorded[m.Version]; ok {
+			s.AppliedAt = &r.at
+			delete(recorded, m.Version)
 		}
-		out = append(out, s)
+		statuses = append(statuses, s)
+	}
+	for v, r := range recorded { // what is left is unknown to this binary
+		statuses = append(statuses, Status{Migration: Migration{Version: v, Name: r.name}, AppliedAt: &r.at, Unknown: true})
+	}
+	sort.Slice(statuses, func(i, j int) bool { return statuses[i].Version < statuses[j].Version })
+	return statuses, exists, nil
+}
+
+// recordedStep is one row of the version table.
+type recordedStep struct {
+	name string
+	at   time.Time
+}
+
+func recordedSteps(ctx context.Context, db DB, schema string) (map[int]recordedStep, error) {
+	rows, err := db.Query(ctx, "SELECT version, name, applied_at FROM "+pgsql.Table(schema, versionTable))
+	if err != nil {
+		return nil, fmt.Errorf("migrations: read the applied steps of schema %q: %w", schema, err)
+	}
+	out := map[int]recordedStep{}
+	var v int
+	var r recordedStep
+	if _, err := pgx.ForEachRow(rows, []any{&v, &r.name, &r.at}, func() error { out[v] = r; return nil }); err != nil {
+		return nil, fmt.Errorf("migrations: read the applied steps of schema %q: %w", schema, err)
 	}
 	return out, nil
 }
@@ -187,49 +406,4 @@ func bootstrapSQL(schema string) string {
 		"    version    integer     PRIMARY KEY,\n" +
 		"    name       text        NOT NULL,\n" +
 		"    applied_at timestamptz NOT NULL DEFAULT now()\n)"
-}
-
-// withLock runs fn on one connection holding a session advisory lock per schema, so
-// concurrent migrators queue instead of racing on CREATE statements.
-func withLock(ctx context.Context, pool *pgxpool.Pool, schema string, fn func(*pgx.Conn) error) (err error) {
-	pc, err := pool.Acquire(ctx)
-	if err != nil {
-		return fmt.Errorf("migrations: acquire connection: %w", err)
-	}
-	defer pc.Release()
-	conn := pc.Conn()
-	const lockSQL = "SELECT pg_advisory_lock(hashtext('onceflow.migrate'), hashtext($1))"
-	if _, err := conn.Exec(ctx, lockSQL, schema); err != nil {
-		return fmt.Errorf("migrations: take advisory lock: %w", err)
-	}
-	defer func() {
-		// Unlock on a fresh context: ctx may be cancelled, and a leaked session lock would
-		// block the next migrator until this pooled connection closes.
-		uctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		if _, uerr := conn.Exec(uctx, "SELECT pg_advisory_unlock(hashtext('onceflow.migrate'), hashtext($1))", schema); uerr != nil {
-			pc.Hijack().Close(uctx) // drop the connection, and the lock with it
-			err = errors.Join(err, fmt.Errorf("migrations: release advisory lock: %w", uerr))
-		}
-	}()
-	if _, err := conn.Exec(ctx, bootstrapSQL(schema)); err != nil {
-		return fmt.Errorf("migrations: create schema %q: %w", schema, err)
-	}
-	return fn(conn)
-}
-
-func appliedVersions(ctx context.Context, conn *pgx.Conn, schema string) (map[int]struct{}, error) {
-	rows, err := conn.Query(ctx, "SELECT version FROM "+pgsql.Table(schema, versionTable))
-	if err != nil {
-		return nil, fmt.Errorf("migrations: read applied versions: %w", err)
-	}
-	versions, err := pgx.CollectRows(rows, pgx.RowTo[int])
-	if err != nil {
-		return nil, fmt.Errorf("migrations: read applied versions: %w", err)
-	}
-	done := make(map[int]struct{}, len(versions))
-	for _, v := range versions {
-		done[v] = struct{}{}
-	}
-	return done, nil
 }

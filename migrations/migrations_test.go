@@ -2,11 +2,17 @@ package migrations_test
 
 import (
 	"context"
+	"errors"
+	"log/slog"
 	"strings"
 	"sync"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/migrations"
 )
 
@@ -77,7 +83,7 @@ func TestConcurrentUp(t *testing.T) {
 		t.Fatalf("runners applied %d steps in total, want each of %d once", total, len(migrations.All()))
 	}
 	var rows int
-	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM schema_migration").Scan(&rows); err != nil {
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM "+db.Schema+".schema_migration").Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
 	if rows != len(migrations.All()) {
@@ -125,5 +131,293 @@ func TestPrintAppliesCleanly(t *testing.T) {
 	applied, err := migrations.Up(ctx, db.Pool, migrations.Options{Schema: db.Schema})
 	if err != nil || len(applied) != 0 {
 		t.Fatalf("Up after Print applied %d (err %v), want 0", len(applied), err)
+	}
+}
+
+// notMigrated asserts that err is a *NotMigratedError listing exactly the wanted versions as
+// pending, and that its message names them and the command to run.
+func notMigrated(t *testing.T, err error, schema string, pending ...int) *migrations.NotMigratedError {
+	t.Helper()
+	var nm *migrations.NotMigratedError
+	if !errors.As(err, &nm) || !errors.Is(err, migrations.ErrNotMigrated) {
+		t.Fatalf("err = %v, want a *NotMigratedError", err)
+	}
+	var got []int
+	for _, m := range nm.Pending {
+		got = append(got, m.Version)
+	}
+	if len(got) != len(pending) {
+		t.Fatalf("pending %v, want %v", got, pending)
+	}
+	for i := range got {
+		if got[i] != pending[i] {
+			t.Fatalf("pending %v, want %v", got, pending)
+		}
+	}
+	msg := err.Error()
+	for _, m := range nm.Pending {
+		if want := m.Name; !strings.Contains(msg, want) {
+			t.Errorf("message lacks step %q: %s", want, msg)
+		}
+	}
+	if want := "onceflow migrate up --schema " + schema; !strings.Contains(msg, want) {
+		t.Errorf("message lacks %q: %s", want, msg)
+	}
+	return nm
+}
+
+func allVersions() []int {
+	var vs []int
+	for _, m := range migrations.All() {
+		vs = append(vs, m.Version)
+	}
+	return vs
+}
+
+func TestValidate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewEmpty(t)
+	opts := migrations.Options{Schema: db.Schema}
+
+	nm := notMigrated(t, migrations.Validate(ctx, db.Pool, opts), db.Schema, allVersions()...)
+	if !nm.NeverMigrated || !strings.Contains(nm.Error(), "never been migrated") {
+		t.Errorf("fresh schema not reported as never migrated: %v", nm)
+	}
+	if _, err := migrations.Up(ctx, db.Pool, opts); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.Validate(ctx, db.Pool, opts); err != nil {
+		t.Fatalf("after Up: %v", err)
+	}
+
+	// A step missing in the middle is named; the others are not.
+	last := migrations.All()[len(migrations.All())-1]
+	if _, err := db.Pool.Exec(ctx, "DELETE FROM "+db.Schema+".schema_migration WHERE version = $1", last.Version); err != nil {
+		t.Fatal(err)
+	}
+	nm = notMigrated(t, migrations.Validate(ctx, db.Pool, opts), db.Schema, last.Version)
+	if nm.NeverMigrated {
+		t.Error("a partly migrated schema reported as never migrated")
+	}
+	if _, err := migrations.Up(ctx, db.Pool, opts); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := migrations.Validate(ctx, db.Pool, migrations.Options{Schema: "Bad"}); err == nil || errors.Is(err, migrations.ErrNotMigrated) {
+		t.Errorf("bad schema name: err = %v, want a validation error", err)
+	}
+}
+
+// TestValidateNewerSchema: steps a newer onceflow applied are a warning, not an error (a rolling
+// deploy migrates while old processes still run); pending steps still are an error.
+func TestValidateNewerSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewEmpty(t)
+	var logs testutil.SyncBuffer
+	opts := migrations.Options{Schema: db.Schema, Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+	if _, err := migrations.Up(ctx, db.Pool, opts); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, "INSERT INTO "+db.Schema+".schema_migration (version, name) VALUES (9999, 'from_the_future')"); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.Validate(ctx, db.Pool, opts); err != nil {
+		t.Fatalf("newer schema: %v, want nil and a warning", err)
+	}
+	if out := logs.String(); !strings.Contains(out, "level=WARN") || !strings.Contains(out, "from_the_future") || !strings.Contains(out, "newer onceflow") {
+		t.Errorf("no warning about the newer step:\n%s", out)
+	}
+	st, err := migrations.Statuses(ctx, db.Pool, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if last := st[len(st)-1]; !last.Unknown || last.Version != 9999 || last.Name != "from_the_future" || last.AppliedAt == nil {
+		t.Fatalf("Statuses' last entry = %+v, want the unknown step 9999", last)
+	}
+	for _, s := range st[:len(st)-1] {
+		if s.Unknown {
+			t.Fatalf("known step %d marked unknown", s.Version)
+		}
+	}
+	// Up leaves the unknown step alone and applies nothing.
+	if applied, err := migrations.Up(ctx, db.Pool, opts); err != nil || len(applied) != 0 {
+		t.Fatalf("Up on a newer schema applied %d (err %v), want 0", len(applied), err)
+	}
+
+	first := migrations.All()[0]
+	if _, err := db.Pool.Exec(ctx, "DELETE FROM "+db.Schema+".schema_migration WHERE version = $1", first.Version); err != nil {
+		t.Fatal(err)
+	}
+	nm := notMigrated(t, migrations.Validate(ctx, db.Pool, opts), db.Schema, first.Version)
+	if len(nm.Unknown) != 1 || !strings.Contains(nm.Error(), "9999_from_the_future") || !strings.Contains(nm.Error(), "newer onceflow") {
+		t.Errorf("error does not mention the newer step: %v", nm)
+	}
+}
+
+func TestUpTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewEmpty(t)
+	opts := migrations.Options{Schema: db.Schema}
+
+	// Rolled back: nothing applied, not even the schema.
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	applied, err := migrations.UpTx(ctx, tx, opts)
+	if err != nil || len(applied) != len(migrations.All()) {
+		t.Fatalf("UpTx applied %d of %d (err %v)", len(applied), len(migrations.All()), err)
+	}
+	if err := migrations.Validate(ctx, tx, opts); err != nil {
+		t.Fatalf("Validate in the migrating transaction: %v", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	notMigrated(t, migrations.Validate(ctx, db.Pool, opts), db.Schema, allVersions()...)
+
+	// Committed: every step applied, and a second UpTx has nothing to do.
+	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		applied, err = migrations.UpTx(ctx, tx, opts)
+		return err
+	})
+	if err != nil || len(applied) != len(migrations.All()) {
+		t.Fatalf("UpTx applied %d of %d (err %v)", len(applied), len(migrations.All()), err)
+	}
+	if err := migrations.Validate(ctx, db.Pool, opts); err != nil {
+		t.Fatalf("after UpTx and commit: %v", err)
+	}
+	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		applied, err = migrations.UpTx(ctx, tx, opts)
+		return err
+	})
+	if err != nil || len(applied) != 0 {
+		t.Fatalf("second UpTx applied %d (err %v), want 0", len(applied), err)
+	}
+}
+
+func TestUpTxRefusesStricterIsolation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewEmpty(t)
+	for _, iso := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
+		tx, err := db.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = migrations.UpTx(ctx, tx, migrations.Options{Schema: db.Schema})
+		if err == nil || !strings.Contains(err.Error(), "READ COMMITTED") {
+			t.Errorf("%s: err = %v, want a refusal naming READ COMMITTED", iso, err)
+		}
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestConcurrentUpTx: while one transaction has migrated and not committed, a second UpTx
+// waits on the lock; once the first commits, the second finds nothing to do. If the first
+// rolls back instead, the second applies every step.
+func TestConcurrentUpTx(t *testing.T) {
+	t.Parallel()
+	for _, commitFirst := range []bool{true, false} {
+		ctx := context.Background()
+		db := testdb.NewEmpty(t)
+		opts := migrations.Options{Schema: db.Schema}
+		first, err := db.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if applied, err := migrations.UpTx(ctx, first, opts); err != nil || len(applied) != len(migrations.All()) {
+			t.Fatalf("first UpTx applied %d (err %v)", len(applied), err)
+		}
+		second, err := db.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var pid int
+		if err := second.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+			t.Fatal(err)
+		}
+		type result struct {
+			applied []migrations.Migration
+			err     error
+		}
+		done := make(chan result, 1)
+		go func() {
+			applied, err := migrations.UpTx(ctx, second, opts)
+			done <- result{applied, err}
+		}()
+		// Wait until the second transaction is blocked on the advisory lock.
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			var waiting bool
+			if err := db.Pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND locktype = 'advisory' AND NOT granted)", pid).Scan(&waiting); err != nil {
+				t.Fatal(err)
+			}
+			if waiting {
+				break
+			}
+			select {
+			case r := <-done:
+				t.Fatalf("second UpTx returned while the first held the lock: applied %d, err %v", len(r.applied), r.err)
+			default:
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("second UpTx never waited for the lock")
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		want := 0
+		if commitFirst {
+			err = first.Commit(ctx)
+		} else {
+			err, want = first.Rollback(ctx), len(migrations.All())
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := <-done
+		if r.err != nil || len(r.applied) != want {
+			t.Fatalf("commitFirst=%t: second UpTx applied %d (err %v), want %d", commitFirst, len(r.applied), r.err, want)
+		}
+		if err := second.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := migrations.Validate(ctx, db.Pool, opts); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestUpWaitsForUpTx: Up and UpTx share the lock, so Up waits for an open migrating
+// transaction and then applies nothing.
+func TestUpWaitsForUpTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.NewEmpty(t)
+	opts := migrations.Options{Schema: db.Schema}
+	tx, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := migrations.UpTx(ctx, tx, opts); err != nil {
+		t.Fatal(err)
+	}
+	// Up cannot get the lock while tx is open: it gives up when its context ends.
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	_, err = migrations.Up(short, db.Pool, opts)
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Up while a migrating transaction held the lock: err = %v, want it to wait until its deadline", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if applied, err := migrations.Up(ctx, db.Pool, opts); err != nil || len(applied) != 0 {
+		t.Fatalf("Up after the commit applied %d (err %v), want 0", len(applied), err)
 	}
 }

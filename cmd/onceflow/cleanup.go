@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"slices"
 	"strings"
 	"time"
@@ -58,19 +57,19 @@ func cleanProcessedEvents(ctx context.Context, pool *pgxpool.Pool, o cleanupOpti
 	return c.Clean(ctx)
 }
 
-func runCleanup(ctx context.Context, args []string) error {
+func (c *cli) runCleanup(ctx context.Context, args []string) error {
 	names := make([]string, len(cleaners))
 	var list strings.Builder
 	for i, c := range cleaners {
 		names[i] = c.name
 		fmt.Fprintf(&list, "\n  %-16s %s", c.name, c.summary)
 	}
-	fs := newFlagSet("cleanup", "cleanup [flags]\n\n"+
+	fs := c.newFlagSet("cleanup", "cleanup [flags]\n\n"+
 		"Deletes expired rows in batches that skip locked rows, so writers are never blocked.\n"+
 		"Runs once by default; with --every or --daily-at it keeps running until SIGTERM.\n\nTables:"+list.String())
-	db := addDBFlags(fs)
+	db := c.addDBFlags(fs)
 	windowDefault := strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s") // "72h"
-	windowText := fs.String("window", envOr("ONCEFLOW_RETENTION_WINDOW", windowDefault),
+	windowText := fs.String("window", c.envOr("ONCEFLOW_RETENTION_WINDOW", windowDefault),
 		"keep rows younger than this; must exceed the longest redelivery horizon [ONCEFLOW_RETENTION_WINDOW]")
 	allowShort := fs.Bool("allow-short-window", false, "accept a window under 24h (records deleted too early let late redeliveries run again)")
 	batchSize := fs.Int("batch-size", retention.DefaultBatchSize, "rows deleted (and locked) per statement")
@@ -81,7 +80,7 @@ func runCleanup(ctx context.Context, args []string) error {
 		return err
 	}
 	if fs.NArg() > 0 {
-		fmt.Fprintf(os.Stderr, "onceflow cleanup: unexpected arguments %q\n", fs.Args())
+		fmt.Fprintf(c.stderr, "onceflow cleanup: unexpected arguments %q\n", fs.Args())
 		fs.Usage()
 		return errUsage
 	}
@@ -137,8 +136,9 @@ func runCleanup(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	logger := slog.New(slog.NewTextHandler(c.stderr, nil))
 	opts := cleanupOptions{schema: db.schema, window: window, allowShort: *allowShort, batchSize: *batchSize, logger: logger}
+	out := c.stdout // the loop below names each cleaner c
 	cleanAll := func(ctx context.Context) (int64, error) {
 		var total int64
 		var errs []error
@@ -150,7 +150,7 @@ func runCleanup(ctx context.Context, args []string) error {
 				errs = append(errs, fmt.Errorf("%s: %w", c.name, err))
 				continue
 			}
-			fmt.Printf("%s: deleted %d expired rows in %s\n", c.name, n, time.Since(start).Round(time.Millisecond))
+			fmt.Fprintf(out, "%s: deleted %d expired rows in %s\n", c.name, n, time.Since(start).Round(time.Millisecond))
 		}
 		return total, errors.Join(errs...)
 	}

@@ -10,11 +10,12 @@ import (
 )
 
 func TestCleanupCommand(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	db := testdb.New(t)
 	insert := func(n int, age time.Duration, tag string) {
 		t.Helper()
-		if _, err := db.Pool.Exec(ctx, `INSERT INTO processed_event (consumer, dedup_key, processed_at)
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.processed_event (consumer, dedup_key, processed_at)
 			SELECT 'c', $3 || g, now() - make_interval(secs => $2) FROM generate_series(1, $1) g`, n, age.Seconds(), tag); err != nil {
 			t.Fatal(err)
 		}
@@ -22,7 +23,7 @@ func TestCleanupCommand(t *testing.T) {
 	count := func() (old, young int) {
 		t.Helper()
 		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE processed_at < now() - interval '72 hours'),
-			count(*) FILTER (WHERE processed_at >= now() - interval '72 hours') FROM processed_event`).Scan(&old, &young); err != nil {
+			count(*) FILTER (WHERE processed_at >= now() - interval '72 hours') FROM `+db.Schema+`.processed_event`).Scan(&old, &young); err != nil {
 			t.Fatal(err)
 		}
 		return old, young
@@ -43,28 +44,27 @@ func TestCleanupCommand(t *testing.T) {
 		{"--every", "-1h"},
 		{"--batch-size", "0"},
 	} {
-		if code := run(ctx, append(append([]string{}, base...), bad...)); code != 1 {
-			t.Errorf("%v exited %d, want 1", bad, code)
+		if r := runCmd(ctx, nil, append(append([]string{}, base...), bad...)...); r.code != 1 {
+			t.Errorf("%v exited %d, want 1:\n%s", bad, r.code, r.stderr)
 		}
 	}
-	if code := run(ctx, append(append([]string{}, base...), "extra")); code != 2 {
-		t.Errorf("extra argument exited %d, want 2", code)
+	if r := runCmd(ctx, nil, append(append([]string{}, base...), "extra")...); r.code != 2 || !strings.Contains(r.stderr, "unexpected arguments") {
+		t.Errorf("extra argument exited %d, want 2:\n%s", r.code, r.stderr)
 	}
 	if old, young := count(); old != 25 || young != 5 {
 		t.Fatalf("refused runs deleted rows: %d old, %d young left", old, young)
 	}
 
 	// The default 72h window removes only the expired rows.
-	if code := run(ctx, append(append([]string{}, base...), "--batch-size", "10", "--only", "processed_event")); code != 0 {
-		t.Fatalf("cleanup exited %d", code)
+	r := runCmd(ctx, nil, append(append([]string{}, base...), "--batch-size", "10", "--only", "processed_event")...).expect(t, "cleanup", 0)
+	if !strings.Contains(r.stdout, "processed_event: deleted 25 expired rows") {
+		t.Errorf("cleanup does not report what it deleted:\n%s", r.stdout)
 	}
 	if old, young := count(); old != 0 || young != 5 {
 		t.Fatalf("after cleanup: %d old, %d young rows; want 0 and 5", old, young)
 	}
 	// A short window needs the explicit override.
-	if code := run(ctx, append(append([]string{}, base...), "--window", "1h", "--allow-short-window")); code != 0 {
-		t.Fatalf("short window with override exited %d", code)
-	}
+	runCmd(ctx, nil, append(append([]string{}, base...), "--window", "1h", "--allow-short-window")...).expect(t, "short window with override", 0)
 	if _, young := count(); young != 0 {
 		t.Fatalf("%d rows older than 1h survived", young)
 	}
@@ -72,48 +72,43 @@ func TestCleanupCommand(t *testing.T) {
 	// Scheduled mode keeps running until the context ends, then exits cleanly.
 	insert(3, 2*time.Hour, "later-")
 	sctx, cancel := context.WithCancel(ctx)
-	done := make(chan int, 1)
-	go func() {
-		done <- run(sctx, append(append([]string{}, base...), "--window", "1h", "--allow-short-window", "--every", "20ms"))
-	}()
+	inv := start(sctx, nil, append(append([]string{}, base...), "--window", "1h", "--allow-short-window", "--every", "20ms")...)
 	deadline := time.Now().Add(time.Minute)
 	for {
 		var n int
-		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM processed_event`).Scan(&n); err != nil {
+		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Schema+`.processed_event`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		if n == 0 {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("scheduled cleanup did not run")
+			t.Fatalf("scheduled cleanup did not run:\n%s", inv.stderr.String())
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
 	cancel()
-	if code := <-done; code != 0 {
-		t.Fatalf("scheduled cleanup exited %d after cancel", code)
+	if code := <-inv.done; code != 0 {
+		t.Fatalf("scheduled cleanup exited %d after cancel:\n%s", code, inv.stderr.String())
 	}
 }
 
 func TestCleanupIdempotencyRecords(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
 	db := testdb.New(t)
-	if _, err := db.Pool.Exec(ctx, `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, expires_at)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.idempotency_record (owner, idem_key, fingerprint, status, expires_at)
 		SELECT 'u', 'k' || g, '\x00', 201, now() + CASE WHEN g <= 7 THEN interval '-1 minute' ELSE interval '1 hour' END
 		FROM generate_series(1, 10) g`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.Pool.Exec(ctx, `INSERT INTO processed_event (consumer, dedup_key, processed_at) VALUES ('c', 'old', now() - interval '100 hours')`); err != nil {
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.processed_event (consumer, dedup_key, processed_at) VALUES ('c', 'old', now() - interval '100 hours')`); err != nil {
 		t.Fatal(err)
 	}
-	code := run(ctx, []string{"cleanup", "--database-url", db.URL, "--schema", db.Schema, "--only", "idempotency_record", "--batch-size", "3"})
-	if code != 0 {
-		t.Fatalf("cleanup exited %d", code)
-	}
+	runCmd(ctx, nil, "cleanup", "--database-url", db.URL, "--schema", db.Schema, "--only", "idempotency_record", "--batch-size", "3").expect(t, "cleanup", 0)
 	var expired, live, processed int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE expires_at <= now()), count(*) FILTER (WHERE expires_at > now()),
-		(SELECT count(*) FROM processed_event) FROM idempotency_record`).Scan(&expired, &live, &processed); err != nil {
+		(SELECT count(*) FROM `+db.Schema+`.processed_event) FROM `+db.Schema+`.idempotency_record`).Scan(&expired, &live, &processed); err != nil {
 		t.Fatal(err)
 	}
 	if expired != 0 || live != 3 || processed != 1 {
@@ -124,13 +119,16 @@ func TestCleanupIdempotencyRecords(t *testing.T) {
 // The schedule flags map onto the public retention constructors, with errors that say the
 // expected form.
 func TestCleanupScheduleFlags(t *testing.T) {
+	t.Parallel()
+	var out, errs strings.Builder
+	cl := &cli{stdout: &out, stderr: &errs, getenv: func(string) string { return "" }}
 	for _, c := range []struct {
 		flag, value, want string
 	}{
 		{"--daily-at", "24:00", `--daily-at: retention: "24:00" is not a UTC time of day HH:MM from 00:00 (midnight) to 23:59, e.g. 03:00`},
 		{"--every", "-1h", "--every is -1h0m0s; it must be positive"},
 	} {
-		err := runCleanup(context.Background(), []string{"--database-url", "postgres://localhost:1/none", c.flag, c.value})
+		err := cl.runCleanup(context.Background(), []string{"--database-url", "postgres://localhost:1/none", c.flag, c.value})
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s %s: %v, want %q", c.flag, c.value, err, c.want)
 		}

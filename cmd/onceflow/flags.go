@@ -5,7 +5,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"os"
 	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -15,8 +14,9 @@ import (
 
 // newFlagSet returns a flag set that reports errors instead of exiting, with a usage text
 // that starts with the command's synopsis.
-func newFlagSet(name, synopsis string) *flag.FlagSet {
+func (c *cli) newFlagSet(name, synopsis string) *flag.FlagSet {
 	fs := flag.NewFlagSet("onceflow "+name, flag.ContinueOnError)
+	fs.SetOutput(c.stderr)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "Usage: onceflow %s\n\nFlags (environment variable in brackets):\n", synopsis)
 		fs.PrintDefaults()
@@ -36,8 +36,8 @@ func parse(fs *flag.FlagSet, args []string) error {
 }
 
 // envOr returns the environment variable's value, or def when it is unset or empty.
-func envOr(name, def string) string {
-	if v := os.Getenv(name); v != "" {
+func (c *cli) envOr(name, def string) string {
+	if v := c.getenv(name); v != "" {
 		return v
 	}
 	return def
@@ -49,10 +49,10 @@ type dbFlags struct {
 	schema string
 }
 
-func addDBFlags(fs *flag.FlagSet) *dbFlags {
+func (c *cli) addDBFlags(fs *flag.FlagSet) *dbFlags {
 	d := &dbFlags{}
-	fs.StringVar(&d.url, "database-url", os.Getenv("DATABASE_URL"), "PostgreSQL connection string [DATABASE_URL]")
-	fs.StringVar(&d.schema, "schema", envOr("ONCEFLOW_SCHEMA", pgsql.DefaultSchema), "schema holding the onceflow tables [ONCEFLOW_SCHEMA]")
+	fs.StringVar(&d.url, "database-url", c.getenv("DATABASE_URL"), "PostgreSQL connection string [DATABASE_URL]")
+	fs.StringVar(&d.schema, "schema", c.envOr("ONCEFLOW_SCHEMA", pgsql.DefaultSchema), "schema holding the onceflow tables [ONCEFLOW_SCHEMA]")
 	return d
 }
 

@@ -2,19 +2,26 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
-	"os"
+	"log/slog"
 	"text/tabwriter"
 
 	"github.com/onceflow/onceflow/migrations"
 )
 
-func runMigrate(ctx context.Context, args []string) error {
-	fs := newFlagSet("migrate", "migrate up|status|print [flags]\n\n"+
+// exitPending is the status of `migrate status` when steps are pending, so a deploy script
+// can tell "run migrate up" (3) from "could not check" (1).
+const exitPending = 3
+
+func (c *cli) runMigrate(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("migrate", "migrate up|status|print [flags]\n\n"+
 		"  up      apply pending migrations (safe to run from several processes at once)\n"+
-		"  status  list migrations and when each was applied\n"+
+		"  status  list migrations and when each was applied; exit status 0 when every step\n"+
+		"          is applied, 3 when steps are pending (run migrate up), 1 when it could not\n"+
+		"          check (e.g. no connection), 2 on bad usage\n"+
 		"  print   write the SQL to stdout for goose, golang-migrate or atlas (needs no database)")
-	db := addDBFlags(fs)
+	db := c.addDBFlags(fs)
 	if len(args) == 0 {
 		fs.Usage()
 		return errUsage
@@ -23,21 +30,23 @@ func runMigrate(ctx context.Context, args []string) error {
 	if err := parse(fs, args[1:]); err != nil {
 		return err
 	}
-	opts := migrations.Options{Schema: db.schema}
+	// Warnings only: steps in the schema that this binary does not know (a newer release
+	// applied them). Results go to stdout as plain lines.
+	opts := migrations.Options{Schema: db.schema, Logger: slog.New(slog.NewTextHandler(c.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 	switch action {
 	case "print":
 		sql, err := migrations.Print(opts)
 		if err != nil {
 			return err
 		}
-		_, err = fmt.Print(sql)
+		_, err = fmt.Fprint(c.stdout, sql)
 		return err
 	case "up", "status":
 	case "-h", "--help", "help":
 		fs.Usage()
 		return nil
 	default:
-		fmt.Fprintf(os.Stderr, "onceflow migrate: unknown action %q\n", action)
+		fmt.Fprintf(c.stderr, "onceflow migrate: unknown action %q\n", action)
 		fs.Usage()
 		return errUsage
 	}
@@ -52,10 +61,10 @@ func runMigrate(ctx context.Context, args []string) error {
 			return err
 		}
 		if len(applied) == 0 {
-			fmt.Printf("schema %q is up to date\n", db.schema)
+			fmt.Fprintf(c.stdout, "schema %q is up to date\n", db.schema)
 		}
 		for _, m := range applied {
-			fmt.Printf("applied %04d_%s to schema %q\n", m.Version, m.Name, db.schema)
+			fmt.Fprintf(c.stdout, "applied %04d_%s to schema %q\n", m.Version, m.Name, db.schema)
 		}
 		return nil
 	}
@@ -63,14 +72,28 @@ func runMigrate(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "VERSION\tNAME\tAPPLIED AT")
 	for _, s := range statuses {
 		at := "pending"
 		if s.AppliedAt != nil {
 			at = s.AppliedAt.UTC().Format("2006-01-02 15:04:05Z")
 		}
+		if s.Unknown {
+			at += " (unknown to this binary: applied by a newer onceflow)"
+		}
 		fmt.Fprintf(tw, "%04d\t%s\t%s\n", s.Version, s.Name, at)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	// The exit status comes from Validate, the check services run at start-up, so a deploy
+	// script and the service agree on what "migrated" means.
+	if err := migrations.Validate(ctx, pool, opts); err != nil {
+		if errors.Is(err, migrations.ErrNotMigrated) {
+			return &exitError{code: exitPending, err: err}
+		}
+		return err
+	}
+	return nil
 }

@@ -5,7 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -24,34 +23,31 @@ const outboxSynopsis = `outbox inspect|parked|replay [flags]
   replay   move parked rows back into the outbox (same event id, fresh attempt count);
            select them with --id, --event-id, --topic, --key or --all`
 
-// stdout is where the outbox command prints; tests replace it.
-var stdout io.Writer = os.Stdout
-
-func runOutbox(ctx context.Context, args []string) error {
+func (c *cli) runOutbox(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		outboxUsage()
+		c.outboxUsage()
 		return errUsage
 	}
 	switch args[0] {
 	case "inspect":
-		return outboxInspect(ctx, args[1:])
+		return c.outboxInspect(ctx, args[1:])
 	case "parked":
-		return outboxParked(ctx, args[1:])
+		return c.outboxParked(ctx, args[1:])
 	case "replay":
-		return outboxReplay(ctx, args[1:])
+		return c.outboxReplay(ctx, args[1:])
 	case "-h", "--help", "help":
-		outboxUsage()
+		c.outboxUsage()
 		return nil
 	default:
-		fmt.Fprintf(os.Stderr, "onceflow outbox: unknown action %q\n\n", args[0])
-		outboxUsage()
+		fmt.Fprintf(c.stderr, "onceflow outbox: unknown action %q\n\n", args[0])
+		c.outboxUsage()
 		return errUsage
 	}
 }
 
 // outboxUsage prints the actions; each action has its own -h with its flags.
-func outboxUsage() {
-	fmt.Fprintf(os.Stderr, "Usage: onceflow %s\n\nRun 'onceflow outbox <action> -h' for the flags of an action.\n", outboxSynopsis)
+func (c *cli) outboxUsage() {
+	fmt.Fprintf(c.stderr, "Usage: onceflow %s\n\nRun 'onceflow outbox <action> -h' for the flags of an action.\n", outboxSynopsis)
 }
 
 // filterFlags are the row selectors shared by parked and replay.
@@ -104,9 +100,9 @@ func splitList(s string) []string {
 	return out
 }
 
-func outboxInspect(ctx context.Context, args []string) error {
-	fs := newFlagSet("outbox inspect", "outbox inspect [flags]\n\nShows what waits in the outbox and which relays hold the shards.")
-	db := addDBFlags(fs)
+func (c *cli) outboxInspect(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("outbox inspect", "outbox inspect [flags]\n\nShows what waits in the outbox and which relays hold the shards.")
+	db := c.addDBFlags(fs)
 	limit := fs.Int("limit", 20, "pending rows to list (oldest first); 0 lists none")
 	topic := fs.String("topic", "", "list only rows of this topic")
 	failing := fs.Bool("failing", false, "list only rows the broker refused at least once")
@@ -128,7 +124,7 @@ func outboxInspect(ctx context.Context, args []string) error {
 	}
 	// One tabwriter for everything: a line without tabs ends a table, so each section is
 	// aligned on its own.
-	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	p := &printer{w: tw}
 	p.f("schema %q at %s\n", db.schema, s.CheckedAt.UTC().Format(time.RFC3339))
 	age := "-"
@@ -193,9 +189,9 @@ func (p *printer) flush(tw *tabwriter.Writer) error {
 	return tw.Flush()
 }
 
-func outboxParked(ctx context.Context, args []string) error {
-	fs := newFlagSet("outbox parked", "outbox parked [flags]\n\nLists parked rows, oldest first, with the error that got them parked.")
-	db := addDBFlags(fs)
+func (c *cli) outboxParked(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("outbox parked", "outbox parked [flags]\n\nLists parked rows, oldest first, with the error that got them parked.")
+	db := c.addDBFlags(fs)
 	ff := addFilterFlags(fs)
 	limit := fs.Int("limit", 100, "rows to list")
 	if err := parse(fs, args); err != nil {
@@ -219,7 +215,7 @@ func outboxParked(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	p := &printer{w: tw}
 	if len(rows) == 0 {
 		p.f("no parked rows\n")
@@ -232,12 +228,12 @@ func outboxParked(ctx context.Context, args []string) error {
 	return p.flush(tw)
 }
 
-func outboxReplay(ctx context.Context, args []string) error {
-	fs := newFlagSet("outbox replay", "outbox replay (--id ...|--event-id ...|--topic ...|--key ...|--all) [flags]\n\n"+
+func (c *cli) outboxReplay(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("outbox replay", "outbox replay (--id ...|--event-id ...|--topic ...|--key ...|--all) [flags]\n\n"+
 		"Moves parked rows back into the outbox with their event id, payload and metadata; relays\n"+
 		"publish them after the rows already waiting (a key whose row was parked is out of order\n"+
 		"anyway). Filters combine with AND.")
-	db := addDBFlags(fs)
+	db := c.addDBFlags(fs)
 	ff := addFilterFlags(fs)
 	all := fs.Bool("all", false, "replay every parked row (needed when no other filter is given)")
 	dryRun := fs.Bool("dry-run", false, "list what would be replayed and change nothing")
@@ -261,7 +257,7 @@ func outboxReplay(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	p := &printer{w: stdout}
+	p := &printer{w: c.stdout}
 	if *dryRun {
 		f.Limit = 1 << 30
 		rows, err := admin.Parked(ctx, pool, f)

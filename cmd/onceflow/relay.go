@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
 	"strconv"
 	"strings"
 	"time"
@@ -32,10 +31,13 @@ they share the work through shard leases in Postgres and take over a dead relay'
 
 // envParser reads typed defaults from the environment and remembers every bad value, so the
 // command reports them all at once.
-type envParser struct{ problems []string }
+type envParser struct {
+	getenv   func(string) string
+	problems []string
+}
 
 func (p *envParser) int(name string, def int) int {
-	v := os.Getenv(name)
+	v := p.getenv(name)
 	if v == "" {
 		return def
 	}
@@ -48,7 +50,7 @@ func (p *envParser) int(name string, def int) int {
 }
 
 func (p *envParser) duration(name string, def time.Duration) time.Duration {
-	v := os.Getenv(name)
+	v := p.getenv(name)
 	if v == "" {
 		return def
 	}
@@ -61,7 +63,7 @@ func (p *envParser) duration(name string, def time.Duration) time.Duration {
 }
 
 func (p *envParser) bool(name string, def bool) bool {
-	v := os.Getenv(name)
+	v := p.getenv(name)
 	if v == "" {
 		return def
 	}
@@ -73,23 +75,23 @@ func (p *envParser) bool(name string, def bool) bool {
 	return b
 }
 
-func runRelay(ctx context.Context, args []string) error {
-	fs := newFlagSet("relay", relaySynopsis)
-	db := addDBFlags(fs)
-	var env envParser
+func (c *cli) runRelay(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("relay", relaySynopsis)
+	db := c.addDBFlags(fs)
+	env := envParser{getenv: c.getenv}
 	var (
-		brokers         = fs.String("kafka-brokers", os.Getenv("KAFKA_BROKERS"), "comma-separated Kafka brokers, host:port [KAFKA_BROKERS]")
+		brokers         = fs.String("kafka-brokers", c.getenv("KAFKA_BROKERS"), "comma-separated Kafka brokers, host:port [KAFKA_BROKERS]")
 		batchSize       = fs.Int("batch-size", env.int("ONCEFLOW_RELAY_BATCH_SIZE", relay.DefaultBatchSize), "most rows claimed and sent to Kafka per round trip [ONCEFLOW_RELAY_BATCH_SIZE]")
 		pollInterval    = fs.Duration("poll-interval", env.duration("ONCEFLOW_RELAY_POLL_INTERVAL", relay.DefaultPollInterval), "how often an idle relay looks for rows when no NOTIFY arrived [ONCEFLOW_RELAY_POLL_INTERVAL]")
 		shards          = fs.Int("shards", env.int("ONCEFLOW_RELAY_SHARDS", relay.DefaultShards), "virtual shards (must be the same for every relay of the schema; see --reshard) [ONCEFLOW_RELAY_SHARDS]")
 		leaseDuration   = fs.Duration("lease-duration", env.duration("ONCEFLOW_RELAY_LEASE_DURATION", relay.DefaultLeaseDuration), "shard lease length; a dead relay's shards move within 1.25× this [ONCEFLOW_RELAY_LEASE_DURATION]")
 		maxAttempts     = fs.Int("max-attempts", env.int("ONCEFLOW_RELAY_MAX_ATTEMPTS", relay.DefaultMaxAttempts), "permanent refusals (e.g. message too large) before a row is parked; transient errors never count [ONCEFLOW_RELAY_MAX_ATTEMPTS]")
 		maxMessageBytes = fs.Int("max-message-bytes", env.int("ONCEFLOW_RELAY_MAX_MESSAGE_BYTES", relay.DefaultMaxMessageBytes), "largest record sent; larger rows are refused before sending (keep ≤ the topic's max.message.bytes) [ONCEFLOW_RELAY_MAX_MESSAGE_BYTES]")
-		instanceID      = fs.String("id", os.Getenv("ONCEFLOW_RELAY_ID"), "unique name of this relay in the lease table; a restart with the same id takes its leases back at once (default <hostname>-<pid>) [ONCEFLOW_RELAY_ID]")
+		instanceID      = fs.String("id", c.getenv("ONCEFLOW_RELAY_ID"), "unique name of this relay in the lease table; a restart with the same id takes its leases back at once (default <hostname>-<pid>) [ONCEFLOW_RELAY_ID]")
 		shutdownTimeout = fs.Duration("shutdown-timeout", env.duration("ONCEFLOW_RELAY_SHUTDOWN_TIMEOUT", relay.DefaultShutdownTimeout), "on SIGTERM, how long the batch in flight may take before it is abandoned (its rows stay) [ONCEFLOW_RELAY_SHUTDOWN_TIMEOUT]")
-		metricsAddr     = fs.String("metrics-addr", os.Getenv("ONCEFLOW_METRICS_ADDR"), "serve Prometheus /metrics and /healthz on this address, e.g. :9464 (default: off) [ONCEFLOW_METRICS_ADDR]")
-		logLevel        = fs.String("log-level", envOr("ONCEFLOW_LOG_LEVEL", "info"), "debug, info, warn or error [ONCEFLOW_LOG_LEVEL]")
-		logFormat       = fs.String("log-format", envOr("ONCEFLOW_LOG_FORMAT", "text"), "text or json [ONCEFLOW_LOG_FORMAT]")
+		metricsAddr     = fs.String("metrics-addr", c.getenv("ONCEFLOW_METRICS_ADDR"), "serve Prometheus /metrics and /healthz on this address, e.g. :9464 (default: off) [ONCEFLOW_METRICS_ADDR]")
+		logLevel        = fs.String("log-level", c.envOr("ONCEFLOW_LOG_LEVEL", "info"), "debug, info, warn or error [ONCEFLOW_LOG_LEVEL]")
+		logFormat       = fs.String("log-format", c.envOr("ONCEFLOW_LOG_FORMAT", "text"), "text or json [ONCEFLOW_LOG_FORMAT]")
 		reshard         = fs.Bool("reshard", env.bool("ONCEFLOW_RELAY_RESHARD", false), "before starting, change the lease table to --shards (refused while any relay of the schema runs) [ONCEFLOW_RELAY_RESHARD]")
 	)
 	if err := parse(fs, args); err != nil {
@@ -119,9 +121,9 @@ func runRelay(ctx context.Context, args []string) error {
 	hopts := &slog.HandlerOptions{Level: level}
 	var logger *slog.Logger
 	if *logFormat == "json" {
-		logger = slog.New(slog.NewJSONHandler(os.Stderr, hopts))
+		logger = slog.New(slog.NewJSONHandler(c.stderr, hopts))
 	} else {
-		logger = slog.New(slog.NewTextHandler(os.Stderr, hopts))
+		logger = slog.New(slog.NewTextHandler(c.stderr, hopts))
 	}
 	var metrics *relayprom.Metrics
 	reg := prometheus.NewRegistry()
