@@ -1,6 +1,9 @@
 // Command bench measures onceflow against the plain-Watermill way of doing the same work, side
 // by side in one run on the same embedded PostgreSQL and in-process Kafka (kfake), so the
-// ratios are comparable even on a noisy machine. `make bench` runs it.
+// ratios are comparable even on a noisy machine. `make bench` runs it; `-only` picks scenarios.
+//
+// It is a module of its own (bench/go.mod, replacing the library with ../), so the baselines'
+// dependencies — watermill-sql and its lib/pq — never reach the go.mod of a library user.
 //
 // Output: a table per scenario with the ratio to the baseline, and one machine-readable line
 // per figure: BENCH <scenario> <system> <value> <unit>.

@@ -492,7 +492,8 @@ func measureStall(ctx context.Context, e *env, sys relaySystem, name string, tri
 
 // maybeProfile writes a CPU profile of the bench process for the named phase when
 // BENCH_CPUPROFILE names a folder (e.g. BENCH_CPUPROFILE=/tmp/prof make bench), to see where
-// the time goes: go tool pprof -top /tmp/prof/drain-onceflow.pprof.
+// the time goes: go tool pprof -top /tmp/prof/drain-onceflow.pprof. A relative folder is taken
+// from bench/, where `make bench` runs the program.
 func maybeProfile(name string) func() {
 	dir := os.Getenv("BENCH_CPUPROFILE")
 	if dir == "" {
