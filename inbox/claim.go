@@ -6,6 +6,9 @@ import (
 	"slices"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/migrations"
 )
 
 // ClaimTx records keys as processed by this consumer, as part of tx, in one statement, and
@@ -34,7 +37,7 @@ func (ib *Inbox) ClaimTx(ctx context.Context, tx pgx.Tx, keys ...string) (claime
 	case 1: // the middleware's path: the plain statement is the cheapest
 		tag, err := tx.Exec(ctx, ib.claimOneSQL, ib.cfg.Consumer, keys[0])
 		if err != nil {
-			return nil, fmt.Errorf("inbox: consumer %q: record dedup key %q: %w", ib.cfg.Consumer, keys[0], err)
+			return nil, ib.dbError(fmt.Sprintf("record dedup key %q", keys[0]), err)
 		}
 		return []bool{tag.RowsAffected() == 1}, nil
 	}
@@ -45,11 +48,11 @@ func (ib *Inbox) ClaimTx(ctx context.Context, tx pgx.Tx, keys ...string) (claime
 	distinct = slices.Compact(distinct)
 	rows, err := tx.Query(ctx, ib.claimManySQL, ib.cfg.Consumer, distinct)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: consumer %q: record %d dedup keys: %w", ib.cfg.Consumer, len(keys), err)
+		return nil, ib.dbError(fmt.Sprintf("record %d dedup keys", len(keys)), err)
 	}
 	inserted, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return nil, fmt.Errorf("inbox: consumer %q: record %d dedup keys: %w", ib.cfg.Consumer, len(keys), err)
+		return nil, ib.dbError(fmt.Sprintf("record %d dedup keys", len(keys)), err)
 	}
 	fresh := make(map[string]bool, len(inserted))
 	for _, k := range inserted {
@@ -76,7 +79,25 @@ func (ib *Inbox) SeenTx(ctx context.Context, tx pgx.Tx, key string) (bool, error
 	}
 	var seen bool
 	if err := tx.QueryRow(ctx, ib.seenSQL, ib.cfg.Consumer, key).Scan(&seen); err != nil {
-		return false, fmt.Errorf("inbox: consumer %q: look up dedup key %q: %w", ib.cfg.Consumer, key, err)
+		return false, ib.dbError(fmt.Sprintf("look up dedup key %q", key), err)
 	}
 	return seen, nil
+}
+
+// CheckSchema reports whether the inbox's schema is fully migrated (migrations.Validate): nil,
+// or an error wrapping migrations.ErrNotMigrated that lists the missing steps and names the
+// command to run. Call it at start-up, before the router runs, to fail fast instead of on the
+// first message.
+func (ib *Inbox) CheckSchema(ctx context.Context) error {
+	return migrations.Validate(ctx, ib.cfg.Pool, migrations.Options{Schema: ib.cfg.Schema, Logger: ib.cfg.Logger})
+}
+
+// dbError wraps a failed statement; a missing table means an unmigrated schema, which the
+// error says how to fix.
+func (ib *Inbox) dbError(what string, err error) error {
+	if pgsql.IsUndefinedTable(err) {
+		return fmt.Errorf("inbox: consumer %q: %s: %w: schema %q has no processed_event table; run `onceflow migrate up --schema %s` (or migrations.Up) before starting consumers: %w",
+			ib.cfg.Consumer, what, migrations.ErrNotMigrated, ib.cfg.Schema, ib.cfg.Schema, err)
+	}
+	return fmt.Errorf("inbox: consumer %q: %s: %w", ib.cfg.Consumer, what, err)
 }

@@ -4,12 +4,17 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/migrations"
+	"github.com/onceflow/onceflow/outbox"
 )
 
 // ClaimTx records keys in one statement, reports which were new, and keeps nothing when the
@@ -187,5 +192,36 @@ func TestClaimTxConcurrentOverlap(t *testing.T) {
 				t.Fatalf("round %d: key %s claimed %d times, want 1 (%v)", round, k, total[k], total)
 			}
 		}
+	}
+}
+
+// An unmigrated schema: CheckSchema says so before the first message, and a message that
+// reaches the middleware anyway fails with the same actionable error instead of a bare
+// SQLSTATE.
+func TestUnmigratedSchema(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewEmpty(t)
+	ib, err := inbox.New(inbox.Config{Pool: db.Pool, Schema: db.Schema, Consumer: "billing"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	err = ib.CheckSchema(ctx)
+	if !errors.Is(err, migrations.ErrNotMigrated) || !strings.Contains(err.Error(), "onceflow migrate up --schema "+db.Schema) {
+		t.Fatalf("CheckSchema = %v, want ErrNotMigrated naming the command", err)
+	}
+	h := ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+		t.Error("handler ran on an unmigrated schema")
+		return nil, nil
+	})
+	_, err = h(outbox.NewMessage([]byte("x")))
+	if !errors.Is(err, migrations.ErrNotMigrated) || !strings.Contains(err.Error(), "onceflow migrate up --schema "+db.Schema) {
+		t.Fatalf("handle = %v, want ErrNotMigrated naming the command", err)
+	}
+	if _, err := migrations.Up(ctx, db.Pool, migrations.Options{Schema: db.Schema}); err != nil {
+		t.Fatal(err)
+	}
+	if err := ib.CheckSchema(ctx); err != nil {
+		t.Fatalf("CheckSchema after Up = %v", err)
 	}
 }

@@ -44,3 +44,13 @@ func IsUniqueViolation(err error, constraint string) bool {
 	}
 	return constraint == "" || pgErr.ConstraintName == constraint
 }
+
+// UndefinedTable is the SQLSTATE of a statement naming a table that does not exist.
+const UndefinedTable = "42P01"
+
+// IsUndefinedTable reports whether err is PostgreSQL's "relation does not exist": in onceflow
+// that almost always means the schema was never migrated.
+func IsUndefinedTable(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == UndefinedTable
+}
