@@ -31,6 +31,7 @@ func TestRecommendedMiddlewareOrder(t *testing.T) {
 	f := newFixture(t, nil)
 	logger := watermill.NopLogger{}
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, logger)
+	t.Cleanup(func() { _ = pubsub.Close() }) // ends the "poison" subscription's goroutine
 	poisoned, err := pubsub.Subscribe(context.Background(), "poison")
 	if err != nil {
 		t.Fatal(err)

@@ -6,7 +6,12 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/onceflow/onceflow/internal/testutil"
 )
+
+// TestMain fails the run when the demo leaves goroutines behind.
+func TestMain(m *testing.M) { testutil.Main(m) }
 
 // TestDemo runs a shortened `make demo` so the README's main command cannot rot: a real
 // onceflow binary killed mid-stream, replayed duplicates, and every invariant checked.

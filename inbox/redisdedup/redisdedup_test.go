@@ -20,6 +20,7 @@ import (
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/inbox/redisdedup"
 	"github.com/onceflow/onceflow/internal/redistest"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -29,7 +30,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) != "" {
 		os.Exit(childMain())
 	}
-	os.Exit(m.Run())
+	testutil.Main(m) // fails the run when a test leaves goroutines behind
 }
 
 // mailer is an effect outside PostgreSQL: it "sends" mails into a list.

@@ -20,6 +20,7 @@ import (
 
 	"github.com/onceflow/onceflow/internal/embedded"
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/migrations"
 )
 
@@ -30,16 +31,22 @@ var (
 	initErr error
 )
 
-// Main runs the package's tests and then stops the embedded cluster, if one was started.
-// Use it from TestMain: func TestMain(m *testing.M) { testdb.Main(m) }.
+// Main runs the package's tests, stops the embedded cluster if one was started, checks that
+// no goroutine leaked (testutil.Run) and exits. Use it from TestMain:
+// func TestMain(m *testing.M) { testdb.Main(m) }.
 func Main(m *testing.M) {
-	code := m.Run()
+	os.Exit(testutil.Run(m, stopServer))
+}
+
+// stopServer stops the embedded cluster, if one was started. The check for leaked goroutines
+// runs after it, so the per-test pools (closed in each test's Cleanup) are the only database
+// clients that could still be running then.
+func stopServer() {
 	if server != nil {
 		if err := server.Stop(); err != nil {
 			fmt.Fprintln(os.Stderr, "testdb:", err)
 		}
 	}
-	os.Exit(code)
 }
 
 // URL returns the connection string of the test server, starting it on first use.

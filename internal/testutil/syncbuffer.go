@@ -1,4 +1,5 @@
-// Package testutil holds small helpers shared by tests that run child processes.
+// Package testutil holds small helpers shared by tests: a buffer for child processes' output
+// and the goroutine-leak check every package's TestMain runs.
 package testutil
 
 import (
