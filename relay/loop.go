@@ -17,7 +17,7 @@ func (r *Relay) loop(ctx context.Context) {
 	for ctx.Err() == nil {
 		if shards, epochs := r.leases.takeReleases(); len(shards) > 0 {
 			if err := r.leases.giveBack(ctx, shards, epochs); err != nil && ctx.Err() == nil {
-				r.m.Failed(FailDatabase, 1)
+				r.m.Failed(FailureDatabase, 1)
 				r.log.Warn("relay could not release shards; they expire on their own", "err", err)
 			}
 		}
@@ -86,7 +86,7 @@ func (r *Relay) step(ctx context.Context) (wait time.Duration, next nextStep) {
 		if bctx.Err() != nil {
 			return r.cfg.PollInterval, idle // lease lost or shutting down, not a database failure
 		}
-		r.m.Failed(FailDatabase, 1)
+		r.m.Failed(FailureDatabase, 1)
 		r.log.Warn("relay claim failed; retrying", "err", err)
 		return r.globalBackoff(), backOff
 	}
@@ -144,7 +144,7 @@ func (r *Relay) claim(ctx context.Context, sql string, args []any) ([]*Message, 
 	return msgs, rows.Err()
 }
 
-// finish records the batch's outcome in the database: acknowledged rows deleted, permanent
+// finish records the batch's outcome in the database: acknowledged rows deleted, undeliverable
 // failures counted and parked at the limit. It uses its own context: deleting acknowledged
 // rows is worth finishing even when shutdown or a lost lease cancelled the batch.
 func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res *result) {
@@ -156,7 +156,7 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 	// that range while taking the key's later rows, and reorder the key.
 	if len(res.ackedIDs) > 0 {
 		if err := r.deleteAcked(fctx, res.ackedIDs); err != nil {
-			r.m.Failed(FailDatabase, 1)
+			r.m.Failed(FailureDatabase, 1)
 			r.log.Warn("relay could not delete acknowledged rows; they will be published again (same event ids)", "rows", len(res.ackedIDs), "err", err)
 		}
 	}
@@ -184,7 +184,7 @@ func (r *Relay) deleteAcked(ctx context.Context, ids []int64) error {
 	return r.pool.SendBatch(ctx, b).Close()
 }
 
-// recordFailures counts permanent failures in outbox.attempts and parks rows that reached the
+// recordFailures counts undeliverable failures in outbox.attempts and parks rows that reached the
 // limit, both only while this relay still holds the row's shard at the snapshot's epoch.
 func (r *Relay) recordFailures(ctx context.Context, snap snapshot, res *result, now time.Time) {
 	culprits := res.culprits
@@ -219,7 +219,7 @@ func (r *Relay) recordFailures(ctx context.Context, snap snapshot, res *result, 
 		return nil
 	})
 	if err != nil {
-		r.m.Failed(FailDatabase, 1)
+		r.m.Failed(FailureDatabase, 1)
 		r.log.Warn("relay could not record failed attempts; the rows are retried", "err", err)
 		parked = nil
 	}
@@ -244,4 +244,14 @@ func (r *Relay) recordFailures(ctx context.Context, snap snapshot, res *result, 
 		r.m.Parked(len(parked))
 	}
 	res.parkedIDs = parked
+}
+
+// errString shortens an error for the last_error column and logs.
+func errString(err error) string {
+	s := err.Error()
+	const limit = 2000
+	if len(s) > limit {
+		s = s[:limit] + "…"
+	}
+	return s
 }

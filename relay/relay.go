@@ -45,7 +45,7 @@ func New(pool *pgxpool.Pool, sink Sink, cfg Config) (*Relay, error) {
 		problems = append(problems, errors.New("relay: pool is nil"))
 	}
 	if sink == nil {
-		problems = append(problems, errors.New("relay: sink is nil; use NewKafkaSink or NewPublisherSink"))
+		problems = append(problems, errors.New("relay: sink is nil; use relaykafka.NewSink or relay.NewPublisherSink"))
 	}
 	if err := errors.Join(problems...); err != nil {
 		return nil, err

@@ -18,7 +18,7 @@ func (r *Relay) sampleStats(ctx context.Context) {
 		if err == nil {
 			r.m.Pending(rows, time.Duration(age*float64(time.Second)))
 		} else if ctx.Err() == nil {
-			r.m.Failed(FailDatabase, 1)
+			r.m.Failed(FailureDatabase, 1)
 		}
 		select {
 		case <-ctx.Done():
