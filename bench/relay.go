@@ -29,6 +29,7 @@ import (
 
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 const forwarderName = "forwarder"
@@ -74,7 +75,7 @@ func (s *onceflowSystem) write(ctx context.Context, topic string, msgs []*messag
 }
 
 func (s *onceflowSystem) start(ctx context.Context) (func(), error) {
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: s.e.brokers})
+	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: s.e.brokers})
 	if err != nil {
 		return nil, err
 	}
@@ -204,7 +205,7 @@ func newReceiver(ctx context.Context, brokers []string, topic string) (*receiver
 			r.mu.Lock()
 			fs.EachRecord(func(rec *kgo.Record) {
 				for _, h := range rec.Headers {
-					if h.Key == relay.UUIDHeader {
+					if h.Key == relaykafka.UUIDHeader {
 						if _, dup := r.at[string(h.Value)]; !dup {
 							r.at[string(h.Value)] = now
 						}

@@ -64,9 +64,10 @@ type Config struct {
 	// LeaseDuration + LeaseDuration/4 after its last renewal. Default 8s: failover ≤ 10s.
 	LeaseDuration time.Duration
 
-	// MaxAttempts is how many times a row may be refused by the broker with a permanent error
-	// (message too large, invalid record, ...) before it is parked in outbox_parked so the rows
-	// behind it can flow. Transient errors (broker down, timeouts) never count. Default 10.
+	// MaxAttempts is how many times a row may be refused by the broker with an undeliverable
+	// error (IsUndeliverable: message too large, invalid record, ...) before it is parked in
+	// outbox_parked so the rows behind it can flow. Transient errors (broker down, timeouts)
+	// never count. Default 10.
 	MaxAttempts int
 
 	// RetryBackoff is the first wait after a failed publish; each further failure doubles it up
@@ -200,7 +201,7 @@ func (c Config) withDefaults() (Config, error) {
 
 // ConfigError lists every problem of a configuration, so all of them can be fixed at once.
 type ConfigError struct {
-	What     string // "config" or "Kafka config"
+	What     string // what was configured: "config", or "Kafka config" for relaykafka
 	Problems []error
 }
 

@@ -1,10 +1,11 @@
 // Package relay publishes the transactional outbox to a broker: it claims committed rows in
-// id order, publishes them (to Kafka through an idempotent producer, or to any Watermill
-// publisher), and deletes exactly the rows the broker acknowledged. A crash anywhere in
+// id order, publishes them through a Sink (to Kafka through an idempotent producer with
+// relay/relaykafka, or to any Watermill publisher with NewPublisherSink), and deletes exactly
+// the rows the broker acknowledged. A crash anywhere in
 // between leaves the rows in place, so they are published again with the same event id:
 // delivery is at-least-once, identity is stable, and consumers deduplicate with the inbox.
 //
-//	sink, _ := relay.NewKafkaSink(relay.KafkaConfig{Brokers: []string{"localhost:9092"}})
+//	sink, _ := relaykafka.NewSink(relaykafka.Config{Brokers: []string{"localhost:9092"}})
 //	r, _ := relay.New(pool, sink, relay.Config{})
 //	err := r.Run(ctx) // until ctx is cancelled
 //
@@ -40,7 +41,7 @@
 //
 // Transient broker errors leave the rows in place and retry with capped exponential backoff
 // and jitter, for as long as it takes; they never park anything. A row the broker refuses
-// permanently (too large, invalid record) blocks only its own key: later rows of that key wait,
+// every time (undeliverable: too large, invalid record) blocks only its own key: later rows of that key wait,
 // other keys flow. After Config.MaxAttempts such refusals (counted in outbox.attempts) the row
 // is parked in outbox_parked with its error, and the key moves on without it, which breaks
 // that key's order by design. Admin.ReplayTx (onceflow outbox replay) moves parked rows back

@@ -15,6 +15,7 @@ import (
 	"github.com/onceflow/onceflow/migrations"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 // A business transaction writes an event into the outbox; the relay publishes it to Kafka,
@@ -37,7 +38,7 @@ func Example() {
 	}
 
 	// 2. In the relay process (or `onceflow relay`): publish until cancelled.
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers})
+	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: brokers})
 	if err != nil {
 		fmt.Println(err)
 		return

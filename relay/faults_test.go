@@ -16,6 +16,7 @@ import (
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 // produceErrorResponse answers a produce request with code on every partition, before the
@@ -96,7 +97,7 @@ func TestBrokerFaults(t *testing.T) {
 	// reordering inside a batch or across retries would show.
 	want := writeEvents(t, db, topic, 5000, 8, 50)
 	c := newConsumer(t, brokers, topic)
-	r := newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers, Opts: fastRetries}, relay.Config{
+	r := newKafkaRelayWith(t, db, relaykafka.Config{Brokers: brokers, Opts: fastRetries}, relay.Config{
 		// Small batches: many produce requests, so the fault mix is well exercised.
 		BatchSize: 25, MaxAttempts: 1000, // random non-retriable faults must never park a row
 		RetryBackoff: 5 * time.Millisecond, MaxRetryBackoff: 100 * time.Millisecond,
@@ -136,7 +137,7 @@ func TestBrokerOutage(t *testing.T) {
 	topic := kafkatest.Topic("outage")
 	c := newConsumer(t, brokers, topic)
 	rec := newRecorder()
-	r := newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers, DeliveryTimeout: time.Second, Opts: fastRetries},
+	r := newKafkaRelayWith(t, db, relaykafka.Config{Brokers: brokers, DeliveryTimeout: time.Second, Opts: fastRetries},
 		relay.Config{Metrics: rec, RetryBackoff: 50 * time.Millisecond, MaxRetryBackoff: 800 * time.Millisecond})
 	startRelay(t, r)
 	first := writeEventsPrefix(t, db, topic, 20, 4, 20, "before-")
@@ -177,7 +178,7 @@ func TestBrokerOutage(t *testing.T) {
 	checkDelivery(t, append(first, during...), got)
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
-	if rec.parked != 0 || rec.failed[relay.FailPermanent] != 0 || rec.failed[relay.FailTransient] == 0 {
+	if rec.parked != 0 || rec.failed[relay.FailureUndeliverable] != 0 || rec.failed[relay.FailureTransient] == 0 {
 		t.Fatalf("failures %v, parked %d: an outage must count as transient and park nothing", rec.failed, rec.parked)
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 func TestMain(m *testing.M) { testdb.Main(m) }
@@ -130,7 +131,7 @@ func newConsumer(t testing.TB, brokers []string, topic string) *consumer {
 				for _, h := range r.Headers {
 					rec.Headers[h.Key] = string(h.Value)
 				}
-				rec.EventID = rec.Headers[relay.UUIDHeader]
+				rec.EventID = rec.Headers[relaykafka.UUIDHeader]
 				c.mu.Lock()
 				c.recs = append(c.recs, rec)
 				c.ids[rec.EventID] = true
@@ -264,7 +265,7 @@ func startRelay(t testing.TB, r *relay.Relay) (stop func()) {
 // newKafkaRelay builds a relay with a Kafka sink on brokers.
 func newKafkaRelay(t testing.TB, db *testdb.DB, brokers []string, cfg relay.Config) *relay.Relay {
 	t.Helper()
-	return newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers}, cfg)
+	return newKafkaRelayWith(t, db, relaykafka.Config{Brokers: brokers}, cfg)
 }
 
 // fastRetries are client options for fault tests: retry and refresh metadata quickly, so a
@@ -274,9 +275,9 @@ var fastRetries = []kgo.Opt{
 	kgo.MetadataMinAge(20 * time.Millisecond),
 }
 
-func newKafkaRelayWith(t testing.TB, db *testdb.DB, kcfg relay.KafkaConfig, cfg relay.Config) *relay.Relay {
+func newKafkaRelayWith(t testing.TB, db *testdb.DB, kcfg relaykafka.Config, cfg relay.Config) *relay.Relay {
 	t.Helper()
-	sink, err := relay.NewKafkaSink(kcfg)
+	sink, err := relaykafka.NewSink(kcfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -290,6 +291,63 @@ func newKafkaRelayWith(t testing.TB, db *testdb.DB, kcfg relay.KafkaConfig, cfg 
 		t.Fatal(err)
 	}
 	return r
+}
+
+// recorder is a relay.Metrics that remembers what it was told, so tests can wait for state
+// changes instead of sleeping.
+type recorder struct {
+	relay.NopMetrics // methods added to relay.Metrics later are no-ops here
+
+	mu        sync.Mutex
+	owned     int
+	published int
+	failed    map[relay.FailureKind]int
+	parked    int
+	pending   int64
+	failCalls int // Failed calls: one per sink call with failures
+	changed   chan struct{}
+}
+
+func newRecorder() *recorder {
+	return &recorder{failed: map[relay.FailureKind]int{}, owned: -1, changed: make(chan struct{}, 1)}
+}
+
+func (r *recorder) note(f func()) {
+	r.mu.Lock()
+	f()
+	r.mu.Unlock()
+	select {
+	case r.changed <- struct{}{}:
+	default:
+	}
+}
+
+func (r *recorder) Published(n int, _ time.Duration) { r.note(func() { r.published += n }) }
+func (r *recorder) Failed(kind relay.FailureKind, n int) {
+	r.note(func() { r.failed[kind] += n; r.failCalls++ })
+}
+func (r *recorder) Parked(n int)                        { r.note(func() { r.parked += n }) }
+func (r *recorder) OwnedShards(n int)                   { r.note(func() { r.owned = n }) }
+func (r *recorder) Pending(rows int64, _ time.Duration) { r.note(func() { r.pending = rows }) }
+
+// waitFor waits until cond (evaluated under the lock) holds.
+func (r *recorder) waitFor(t testing.TB, timeout time.Duration, what string, cond func(*recorder) bool) {
+	t.Helper()
+	deadline := time.After(timeout)
+	for {
+		r.mu.Lock()
+		ok := cond(r)
+		r.mu.Unlock()
+		if ok {
+			return
+		}
+		select {
+		case <-r.changed:
+		case <-time.After(50 * time.Millisecond):
+		case <-deadline:
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+	}
 }
 
 // eventually polls cond until it holds or fails the test after timeout.

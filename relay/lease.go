@@ -154,7 +154,7 @@ func (l *leases) run(ctx context.Context, stop func(error)) {
 			return
 		}
 		if err != nil && ctx.Err() == nil {
-			l.m.Failed(FailDatabase, 1)
+			l.m.Failed(FailureDatabase, 1)
 			l.log.Warn("relay lease renewal failed; publishing continues until the lease fence, then stops until the database answers again",
 				"err", err, "fence_in", time.Until(l.fenceDeadline()).Round(time.Millisecond))
 		}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -13,62 +12,8 @@ import (
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
-
-// recorder is a relay.Metrics that remembers what it was told, so tests can wait for state
-// changes instead of sleeping.
-type recorder struct {
-	mu        sync.Mutex
-	owned     int
-	published int
-	failed    map[string]int
-	parked    int
-	pending   int64
-	failCalls int // Failed calls: one per sink call with failures
-	changed   chan struct{}
-}
-
-func newRecorder() *recorder {
-	return &recorder{failed: map[string]int{}, owned: -1, changed: make(chan struct{}, 1)}
-}
-
-func (r *recorder) note(f func()) {
-	r.mu.Lock()
-	f()
-	r.mu.Unlock()
-	select {
-	case r.changed <- struct{}{}:
-	default:
-	}
-}
-
-func (r *recorder) Published(n int, _ time.Duration) { r.note(func() { r.published += n }) }
-func (r *recorder) Failed(kind string, n int) {
-	r.note(func() { r.failed[kind] += n; r.failCalls++ })
-}
-func (r *recorder) Parked(n int)                        { r.note(func() { r.parked += n }) }
-func (r *recorder) OwnedShards(n int)                   { r.note(func() { r.owned = n }) }
-func (r *recorder) Pending(rows int64, _ time.Duration) { r.note(func() { r.pending = rows }) }
-
-// waitFor waits until cond (evaluated under the lock) holds.
-func (r *recorder) waitFor(t testing.TB, timeout time.Duration, what string, cond func(*recorder) bool) {
-	t.Helper()
-	deadline := time.After(timeout)
-	for {
-		r.mu.Lock()
-		ok := cond(r)
-		r.mu.Unlock()
-		if ok {
-			return
-		}
-		select {
-		case <-r.changed:
-		case <-time.After(50 * time.Millisecond):
-		case <-deadline:
-			t.Fatalf("timed out after %s waiting for %s", timeout, what)
-		}
-	}
-}
 
 // TestLostLeaseStopsPublishing: when another owner takes the shards (here by force, in the
 // table), the relay notices at its next renewal and publishes nothing of them; it resumes
@@ -272,7 +217,7 @@ func TestDatabaseConnectionLoss(t *testing.T) {
 	defer pool.Close()
 	want := writeEvents(t, db, topic, 6000, 20, 100)
 	c := newConsumer(t, brokers, topic)
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers})
+	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: brokers})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -298,7 +243,7 @@ func TestDatabaseConnectionLoss(t *testing.T) {
 	stop()
 	checkDelivery(t, want, got)
 	rec.mu.Lock()
-	dbErrs := rec.failed[relay.FailDatabase]
+	dbErrs := rec.failed[relay.FailureDatabase]
 	rec.mu.Unlock()
 	t.Logf("terminated %d backends; %d database errors seen and survived", terminated, dbErrs)
 	if terminated == 0 {

@@ -6,11 +6,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
-// UUIDHeader is the Kafka header carrying the event id. It is the header watermill-kafka's
-// DefaultMarshaler writes and reads (kafka.UUIDHeaderKey), so a plain watermill-kafka
-// subscriber sees the outbox row's event_id as the message UUID.
-const UUIDHeader = "_watermill_message_uuid"
-
 // Message is one claimed outbox row on its way to the broker.
 type Message struct {
 	// ID is the row's outbox id: the claim order.
@@ -27,7 +22,7 @@ type Message struct {
 	Metadata message.Metadata
 	// CreatedAt is when the row was written (database clock).
 	CreatedAt time.Time
-	// Attempts counts earlier permanent failures of this row.
+	// Attempts counts earlier undeliverable failures (IsUndeliverable) of this row.
 	Attempts int
 
 	keyHash int64

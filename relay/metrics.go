@@ -5,14 +5,17 @@ import "time"
 // Metrics receives the relay's measurements. Implementations must be safe for concurrent use
 // and fast: they are called on the publishing path. relay/relayprom implements it with
 // Prometheus; NopMetrics discards everything.
+//
+// Embed NopMetrics in an implementation: methods added to Metrics later then keep compiling
+// (as no-ops) instead of breaking it.
 type Metrics interface {
 	// Published is called after every sink call that acknowledged n > 0 messages, with the
 	// time the sink call took (the publish latency of the batch).
 	Published(n int, took time.Duration)
-	// Failed counts messages that were not acknowledged, by kind: "permanent" (counts toward
-	// parking), "transient" (retried with backoff) or "database" for failed relay queries
-	// (n = 1 per failed query).
-	Failed(kind string, n int)
+	// Failed counts messages that were not acknowledged, by kind: FailureUndeliverable (counts
+	// toward parking), FailureTransient (retried with backoff), or FailureDatabase for failed
+	// relay queries (n = 1 per failed query).
+	Failed(kind FailureKind, n int)
 	// Parked counts rows moved to outbox_parked.
 	Parked(n int)
 	// OwnedShards reports how many shard leases this relay holds.
@@ -22,21 +25,33 @@ type Metrics interface {
 	Pending(rows int64, oldest time.Duration)
 }
 
+// FailureKind says why messages were not acknowledged, for Metrics.Failed. Its values are
+// short lowercase words, usable as a metric label.
+type FailureKind string
+
 // Failure kinds passed to Metrics.Failed.
 const (
-	FailPermanent = "permanent"
-	FailTransient = "transient"
-	FailDatabase  = "database"
+	// FailureUndeliverable: the broker refused the message in a way retrying cannot fix
+	// (IsUndeliverable); it counts toward the row's attempt limit and parking.
+	FailureUndeliverable FailureKind = "undeliverable"
+	// FailureTransient: the broker did not acknowledge (unreachable, timeout, leader change);
+	// the rows stay and are retried with backoff, never parked.
+	FailureTransient FailureKind = "transient"
+	// FailureDatabase: a relay query failed (claim, delete, lease renewal, stats); n is 1.
+	FailureDatabase FailureKind = "database"
 )
 
-// NopMetrics discards every measurement.
+// NopMetrics discards every measurement. It is the default of Config.Metrics, and the type to
+// embed in a Metrics implementation that records only some measurements.
 type NopMetrics struct{}
+
+var _ Metrics = NopMetrics{}
 
 // Published implements Metrics.
 func (NopMetrics) Published(int, time.Duration) {}
 
 // Failed implements Metrics.
-func (NopMetrics) Failed(string, int) {}
+func (NopMetrics) Failed(FailureKind, int) {}
 
 // Parked implements Metrics.
 func (NopMetrics) Parked(int) {}

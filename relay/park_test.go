@@ -19,6 +19,7 @@ import (
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 // writeOne writes one event with the given key and payload in its own transaction.
@@ -204,7 +205,7 @@ func TestOversizedRowRefusedBeforeSending(t *testing.T) {
 	other := writeOne(t, db, topic, "L", []byte("other"))
 	c := newConsumer(t, brokers, topic)
 	cfg := relay.Config{MaxAttempts: 3, RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}
-	startRelay(t, newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers, MaxMessageBytes: 4096}, cfg))
+	startRelay(t, newKafkaRelayWith(t, db, relaykafka.Config{Brokers: brokers, MaxMessageBytes: 4096}, cfg))
 	got := c.waitDistinct(t, 2, 60*time.Second)
 	eventually(t, 30*time.Second, "empty outbox", func() bool { return outboxCount(t, db) == 0 })
 	if ids := keyOrder(got, "K"); len(ids) != 1 || ids[0] != after.UUID {
@@ -218,7 +219,7 @@ func TestOversizedRowRefusedBeforeSending(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, `SELECT attempts, last_error FROM outbox_parked WHERE event_id = $1`, big.UUID).Scan(&attempts, &lastErr); err != nil {
 		t.Fatalf("oversized row not parked: %v", err)
 	}
-	if attempts != 3 || !strings.Contains(lastErr, relay.ErrMessageTooLarge.Error()) || !strings.Contains(lastErr, "4096") {
+	if attempts != 3 || !strings.Contains(lastErr, relaykafka.ErrMessageTooLarge.Error()) || !strings.Contains(lastErr, "4096") {
 		t.Fatalf("parked with attempts %d, error %q", attempts, lastErr)
 	}
 	if n := largest.Load(); n >= 5000 {

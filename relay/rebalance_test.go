@@ -17,6 +17,7 @@ import (
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 // TestRebalanceUnderFaultsKeepsKeyOrder: relays start and stop (gracefully, with short and
@@ -77,7 +78,7 @@ func TestRebalanceUnderFaultsKeepsKeyOrder(t *testing.T) {
 		cs = append(cs, newConsumer(t, brokers, topic))
 	}
 	mk := func(id string) *relay.Relay {
-		return newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers, DeliveryTimeout: time.Second, Opts: fastRetries},
+		return newKafkaRelayWith(t, db, relaykafka.Config{Brokers: brokers, DeliveryTimeout: time.Second, Opts: fastRetries},
 			relay.Config{InstanceID: id, Shards: 16, BatchSize: 30, LeaseDuration: 800 * time.Millisecond, MaxAttempts: 1000,
 				PollInterval: 50 * time.Millisecond, ShutdownTimeout: time.Duration(1+intn(300)) * time.Millisecond,
 				RetryBackoff: 5 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond})

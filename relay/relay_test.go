@@ -15,6 +15,7 @@ import (
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 // TestDrainInOrder: a backlog written with the relay stopped is delivered completely, in
@@ -139,7 +140,7 @@ func TestPublisherSinkWithWatermillKafka(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sink := relay.NewPublisherSink(pub, relay.PublisherSinkConfig{})
+	sink := relaykafka.NewPublisherSink(pub)
 	defer func() { _ = sink.Close() }()
 	r, err := relay.New(db.Pool, sink, relay.Config{Schema: db.Schema, BatchSize: 100, Logger: testLogger(t)})
 	if err != nil {

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"testing"
 
-	"github.com/IBM/sarama"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 )
 
@@ -30,31 +28,37 @@ func (p *recordingPublisher) Publish(_ string, msgs ...*message.Message) error {
 
 func (p *recordingPublisher) Close() error { return nil }
 
+// msg builds a message as a Sink outside the relay would see it: without the fields the
+// claim fills in, so the sink must derive order chains from Key and ID.
 func msg(id int64, key string) *Message {
 	return &Message{ID: id, EventID: fmt.Sprint(id), Topic: "t", Key: key, Payload: []byte(fmt.Sprint(key, id)),
-		Metadata: message.Metadata{"partition_key": key}, blockKey: blockKeyOf(key, id)}
+		Metadata: message.Metadata{"partition_key": key}}
 }
 
 func TestPublisherSinkKeepsKeyOrder(t *testing.T) {
-	tooLarge := sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 2000000 > 1048576")
+	refused := Undeliverable(errors.New("message too large"))
+	brokerRefusal := errors.New("broker: invalid record")
 	cases := []struct {
-		name string
-		fail map[string]error
-		want []string // outcome per message: ok, held, perm, transient
-		sent []string
+		name            string
+		isUndeliverable func(error) bool // nil: the default
+		fail            map[string]error
+		want            []string // outcome per message: ok, held, undeliverable, transient
+		sent            []string
 	}{
-		{"all ok", nil, []string{"ok", "ok", "ok", "ok"}, []string{"A1", "B2", "A3", "4"}},
-		{"permanent failure holds back its key only", map[string]error{"A1": tooLarge},
-			[]string{"perm", "ok", "held", "ok"}, []string{"B2", "4"}},
-		{"broker error classified permanent", map[string]error{"B2": sarama.ErrInvalidRecord},
-			[]string{"ok", "perm", "ok", "ok"}, []string{"A1", "A3", "4"}},
-		{"transient failure holds back the rest", map[string]error{"B2": errors.New("connection refused")},
+		{"all ok", nil, nil, []string{"ok", "ok", "ok", "ok"}, []string{"A1", "B2", "A3", "4"}},
+		{"undeliverable failure holds back its key only", nil, map[string]error{"A1": refused},
+			[]string{"undeliverable", "ok", "held", "ok"}, []string{"B2", "4"}},
+		{"unmarked error is transient by default", nil, map[string]error{"B2": brokerRefusal},
+			[]string{"ok", "transient", "held", "held"}, []string{"A1"}},
+		{"custom classifier", func(err error) bool { return errors.Is(err, brokerRefusal) }, map[string]error{"B2": brokerRefusal},
+			[]string{"ok", "undeliverable", "ok", "ok"}, []string{"A1", "A3", "4"}},
+		{"transient failure holds back the rest", nil, map[string]error{"B2": errors.New("connection refused")},
 			[]string{"ok", "transient", "held", "held"}, []string{"A1"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			pub := &recordingPublisher{fail: c.fail}
-			sink := NewPublisherSink(pub, PublisherSinkConfig{})
+			sink := NewPublisherSink(pub, PublisherSinkConfig{IsUndeliverable: c.isUndeliverable})
 			msgs := []*Message{msg(1, "A"), msg(2, "B"), msg(3, "A"), msg(4, "")}
 			errs := make([]error, len(msgs))
 			sink.Publish(context.Background(), msgs, errs)
@@ -63,8 +67,8 @@ func TestPublisherSinkKeepsKeyOrder(t *testing.T) {
 				switch {
 				case errors.Is(err, ErrHeldBack):
 					got = "held"
-				case IsPermanent(err):
-					got = "perm"
+				case IsUndeliverable(err):
+					got = "undeliverable"
 				case err != nil:
 					got = "transient"
 				}
@@ -79,24 +83,20 @@ func TestPublisherSinkKeepsKeyOrder(t *testing.T) {
 	}
 }
 
-// TestDefaultIsPermanentReservedHeader: watermill-kafka's marshaler refuses a message whose
-// metadata uses the header that carries the message UUID, on every attempt. That refusal must
-// count toward the row's attempt limit (and park it, as the Kafka sink does), not be retried
-// as transient forever with every later row of its key stuck behind it.
-func TestDefaultIsPermanentReservedHeader(t *testing.T) {
-	m := msg(1, "K")
-	m.Metadata[UUIDHeader] = "some-id"
-	for name, marshaler := range map[string]kafka.Marshaler{
-		"default":      kafka.DefaultMarshaler{},
-		"partitioning": kafka.NewWithPartitioningMarshaler(func(string, *message.Message) (string, error) { return "K", nil }),
-	} {
-		_, err := marshaler.Marshal("t", m.Watermill())
-		if err == nil {
-			t.Fatalf("%s marshaler accepted metadata %s", name, UUIDHeader)
-		}
-		err = fmt.Errorf("cannot marshal message %s: %w", m.EventID, err) // as the publisher wraps it
-		if !defaultIsPermanent(err) {
-			t.Errorf("%s marshaler's refusal %q classified transient: the row would never be parked", name, err)
-		}
+// TestUndeliverableWrapsOnce: a publisher's error already marked undeliverable is passed on
+// as it is, not wrapped a second time (the row's last_error stays readable).
+func TestUndeliverableWrapsOnce(t *testing.T) {
+	refused := Undeliverable(errors.New("message too large"))
+	sink := NewPublisherSink(&recordingPublisher{fail: map[string]error{"A1": refused}}, PublisherSinkConfig{})
+	errs := make([]error, 1)
+	sink.Publish(context.Background(), []*Message{msg(1, "A")}, errs)
+	if errs[0] != refused {
+		t.Fatalf("error %q, want %q", errs[0], refused)
+	}
+	if Undeliverable(nil) != nil || IsUndeliverable(nil) || IsUndeliverable(errors.New("x")) {
+		t.Fatal("nil or unmarked errors reported undeliverable")
+	}
+	if !IsUndeliverable(fmt.Errorf("send: %w", refused)) {
+		t.Fatal("a wrapped UndeliverableError is not recognised")
 	}
 }

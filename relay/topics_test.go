@@ -18,6 +18,7 @@ import (
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 // TestKeyOrderAcrossTopics: the events of one key may go to several topics (an aggregate
@@ -42,11 +43,11 @@ func TestKeyOrderAcrossTopics(t *testing.T) {
 	other := writeOne(t, db, topicB, "L", []byte("l/0"))
 	ca, cb := newConsumer(t, brokers, topicA), newConsumer(t, brokers, topicB)
 	rec := newRecorder()
-	startRelay(t, newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers, Opts: fastRetries},
+	startRelay(t, newKafkaRelayWith(t, db, relaykafka.Config{Brokers: brokers, Opts: fastRetries},
 		relay.Config{Metrics: rec, RetryBackoff: 20 * time.Millisecond, MaxRetryBackoff: 200 * time.Millisecond}))
 
 	// Two failed publish calls: the first batch, with its deletes, is over.
-	rec.waitFor(t, 30*time.Second, "two failed publish calls", func(r *recorder) bool { return r.failed[relay.FailTransient] >= 2 })
+	rec.waitFor(t, 30*time.Second, "two failed publish calls", func(r *recorder) bool { return r.failed[relay.FailureTransient] >= 2 })
 	var left int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE event_id = ANY($1::uuid[])`, []string{second.UUID, third.UUID}).Scan(&left); err != nil {
 		t.Fatal(err)
@@ -157,7 +158,7 @@ func TestKeyOrderAcrossTopicsUnderFaults(t *testing.T) {
 	for _, topic := range topics {
 		cs = append(cs, newConsumer(t, brokers, topic))
 	}
-	startRelay(t, newKafkaRelayWith(t, db, relay.KafkaConfig{Brokers: brokers, DeliveryTimeout: time.Second, Opts: fastRetries},
+	startRelay(t, newKafkaRelayWith(t, db, relaykafka.Config{Brokers: brokers, DeliveryTimeout: time.Second, Opts: fastRetries},
 		relay.Config{BatchSize: 40, MaxAttempts: 1000, RetryBackoff: 5 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}))
 	eventually(t, 2*time.Minute, "empty outbox", func() bool { return outboxCount(t, db) == 0 })
 	faults := 0

@@ -12,6 +12,7 @@ import (
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 // roundTrips counts the statements and pipelined batches a pool sends: one per round trip.
@@ -49,7 +50,7 @@ func relayPool(t testing.TB, db *testdb.DB, tracer pgx.QueryTracer) (*pgxpool.Po
 
 func newRelayOnPool(t testing.TB, pool *pgxpool.Pool, db *testdb.DB, brokers []string, cfg relay.Config) *relay.Relay {
 	t.Helper()
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers})
+	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: brokers})
 	if err != nil {
 		t.Fatal(err)
 	}

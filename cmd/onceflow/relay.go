@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 	"github.com/onceflow/onceflow/relay/relayprom"
 )
 
@@ -85,8 +86,8 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		pollInterval    = fs.Duration("poll-interval", env.duration("ONCEFLOW_RELAY_POLL_INTERVAL", relay.DefaultPollInterval), "how often an idle relay looks for rows when no NOTIFY arrived [ONCEFLOW_RELAY_POLL_INTERVAL]")
 		shards          = fs.Int("shards", env.int("ONCEFLOW_RELAY_SHARDS", relay.DefaultShards), "virtual shards (must be the same for every relay of the schema; see --reshard) [ONCEFLOW_RELAY_SHARDS]")
 		leaseDuration   = fs.Duration("lease-duration", env.duration("ONCEFLOW_RELAY_LEASE_DURATION", relay.DefaultLeaseDuration), "shard lease length; a dead relay's shards move within 1.25× this [ONCEFLOW_RELAY_LEASE_DURATION]")
-		maxAttempts     = fs.Int("max-attempts", env.int("ONCEFLOW_RELAY_MAX_ATTEMPTS", relay.DefaultMaxAttempts), "permanent refusals (e.g. message too large) before a row is parked; transient errors never count [ONCEFLOW_RELAY_MAX_ATTEMPTS]")
-		maxMessageBytes = fs.Int("max-message-bytes", env.int("ONCEFLOW_RELAY_MAX_MESSAGE_BYTES", relay.DefaultMaxMessageBytes), "largest record sent; larger rows are refused before sending (keep ≤ the topic's max.message.bytes) [ONCEFLOW_RELAY_MAX_MESSAGE_BYTES]")
+		maxAttempts     = fs.Int("max-attempts", env.int("ONCEFLOW_RELAY_MAX_ATTEMPTS", relay.DefaultMaxAttempts), "refusals the broker repeats every time (e.g. message too large) before a row is parked; transient errors never count [ONCEFLOW_RELAY_MAX_ATTEMPTS]")
+		maxMessageBytes = fs.Int("max-message-bytes", env.int("ONCEFLOW_RELAY_MAX_MESSAGE_BYTES", relaykafka.DefaultMaxMessageBytes), "largest record sent; larger rows are refused before sending (keep ≤ the topic's max.message.bytes) [ONCEFLOW_RELAY_MAX_MESSAGE_BYTES]")
 		instanceID      = fs.String("id", c.getenv("ONCEFLOW_RELAY_ID"), "unique name of this relay in the lease table; a restart with the same id takes its leases back at once (default <hostname>-<pid>) [ONCEFLOW_RELAY_ID]")
 		shutdownTimeout = fs.Duration("shutdown-timeout", env.duration("ONCEFLOW_RELAY_SHUTDOWN_TIMEOUT", relay.DefaultShutdownTimeout), "on SIGTERM, how long the batch in flight may take before it is abandoned (its rows stay) [ONCEFLOW_RELAY_SHUTDOWN_TIMEOUT]")
 		metricsAddr     = fs.String("metrics-addr", c.getenv("ONCEFLOW_METRICS_ADDR"), "serve Prometheus /metrics and /healthz on this address, e.g. :9464 (default: off) [ONCEFLOW_METRICS_ADDR]")
@@ -129,7 +130,11 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	reg := prometheus.NewRegistry()
 	if *metricsAddr != "" {
 		reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-		metrics = relayprom.New(reg)
+		m, err := relayprom.New(reg)
+		if err != nil {
+			return fmt.Errorf("relay metrics: %w", err)
+		}
+		metrics = m
 	}
 	cfg := relay.Config{
 		Schema:          db.schema,
@@ -145,10 +150,10 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	if metrics != nil {
 		cfg.Metrics = metrics
 	}
-	kcfg := relay.KafkaConfig{Brokers: brokerList, MaxMessageBytes: *maxMessageBytes}
+	kcfg := relaykafka.Config{Brokers: brokerList, MaxMessageBytes: *maxMessageBytes}
 	// Validate both configurations now, without connecting, so every mistake is reported at once.
 	problems = appendProblems(problems, cfg.Validate())
-	sink, err := relay.NewKafkaSink(kcfg)
+	sink, err := relaykafka.NewSink(kcfg)
 	problems = appendProblems(problems, err)
 	if len(problems) > 0 {
 		if sink != nil {
@@ -193,7 +198,8 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	return r.Run(ctx)
 }
 
-// appendProblems adds err to the list, one entry per problem of a relay.ConfigError.
+// appendProblems adds err to the list, one entry per problem of a relay.ConfigError (which
+// relaykafka.NewSink returns too).
 func appendProblems(problems []string, err error) []string {
 	var ce *relay.ConfigError
 	if errors.As(err, &ce) {

@@ -34,6 +34,7 @@ import (
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 func TestMain(m *testing.M) { testdb.Main(m) }
@@ -128,7 +129,7 @@ func newPath(t *testing.T, prepare func(*message.Message)) *path {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sink, err := relay.NewKafkaSink(relay.KafkaConfig{Brokers: brokers})
+	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: brokers})
 	if err != nil {
 		t.Fatal(err)
 	}

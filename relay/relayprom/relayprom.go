@@ -1,8 +1,8 @@
-// Package relayprom exposes a relay's measurements as Prometheus metrics. It lives apart from
-// package relay so that importing the relay does not pull in the Prometheus client.
+// Package relayprom reports a relay's measurements to Prometheus. It lives apart from package
+// relay so that importing the relay does not pull in the Prometheus client.
 //
-//	m := relayprom.New(prometheus.DefaultRegisterer)
-//	r, _ := relay.New(pool, sink, relay.Config{Metrics: m})
+//	m, err := relayprom.New(prometheus.DefaultRegisterer)
+//	r, err := relay.New(pool, sink, relay.Config{Metrics: m})
 package relayprom
 
 import (
@@ -13,7 +13,15 @@ import (
 	"github.com/onceflow/onceflow/relay"
 )
 
-// Metrics implements relay.Metrics with Prometheus collectors, all prefixed onceflow_relay_.
+// Metrics implements relay.Metrics with these Prometheus collectors:
+//
+//	onceflow_relay_published_total              messages the broker acknowledged
+//	onceflow_relay_publish_seconds              duration of one sink call (a batch)
+//	onceflow_relay_errors_total{kind}           kind: undeliverable, transient, database
+//	onceflow_relay_parked_total                 rows moved to outbox_parked
+//	onceflow_relay_owned_shards                 shard leases this relay holds
+//	onceflow_relay_pending_rows                 rows waiting in the outbox (sampled)
+//	onceflow_relay_oldest_pending_seconds       age of the oldest waiting row (sampled)
 type Metrics struct {
 	published   prometheus.Counter
 	publishTime prometheus.Histogram
@@ -26,53 +34,53 @@ type Metrics struct {
 
 var _ relay.Metrics = (*Metrics)(nil)
 
-// New creates the collectors and registers them with reg (nil: not registered, e.g. to
-// register them yourself through Collectors). It panics if they are already registered with
-// reg, like prometheus.MustRegister.
-func New(reg prometheus.Registerer) *Metrics {
+// New registers the collectors on reg (prometheus.DefaultRegisterer when nil) and returns the
+// Metrics to put in relay.Config.Metrics. It returns the registration error, e.g. when reg
+// already holds them: one Metrics serves one relay per registry.
+func New(reg prometheus.Registerer) (*Metrics, error) {
+	if reg == nil {
+		reg = prometheus.DefaultRegisterer
+	}
 	m := &Metrics{
 		published: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "onceflow_relay_published_total",
+			Namespace: "onceflow", Subsystem: "relay", Name: "published_total",
 			Help: "Messages the broker acknowledged (their outbox rows are then deleted).",
 		}),
 		publishTime: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name:    "onceflow_relay_publish_seconds",
+			Namespace: "onceflow", Subsystem: "relay", Name: "publish_seconds",
 			Help:    "Duration of one publish call to the broker (a batch, usually one round trip).",
 			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
 		}),
 		failed: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "onceflow_relay_errors_total",
-			Help: "Failures by kind: permanent (broker refuses the message; counts toward parking), transient (retried with backoff), database (a relay query failed).",
+			Namespace: "onceflow", Subsystem: "relay", Name: "errors_total",
+			Help: "Failures by kind: undeliverable (the broker refuses the message; counts toward parking), transient (retried with backoff), database (a relay query failed).",
 		}, []string{"kind"}),
 		parked: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "onceflow_relay_parked_total",
+			Namespace: "onceflow", Subsystem: "relay", Name: "parked_total",
 			Help: "Rows moved to outbox_parked after the retry limit.",
 		}),
 		owned: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "onceflow_relay_owned_shards",
+			Namespace: "onceflow", Subsystem: "relay", Name: "owned_shards",
 			Help: "Shard leases this relay holds.",
 		}),
 		pending: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "onceflow_relay_pending_rows",
+			Namespace: "onceflow", Subsystem: "relay", Name: "pending_rows",
 			Help: "Rows waiting in the outbox (all shards), sampled every stats interval.",
 		}),
 		oldest: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "onceflow_relay_oldest_pending_seconds",
+			Namespace: "onceflow", Subsystem: "relay", Name: "oldest_pending_seconds",
 			Help: "Age of the oldest row waiting in the outbox (0 when empty), sampled every stats interval.",
 		}),
 	}
-	for _, kind := range []string{relay.FailPermanent, relay.FailTransient, relay.FailDatabase} {
-		m.failed.WithLabelValues(kind) // export zeros so rate() works from the start
+	for _, kind := range []relay.FailureKind{relay.FailureUndeliverable, relay.FailureTransient, relay.FailureDatabase} {
+		m.failed.WithLabelValues(string(kind)) // export zeros so rate() works from the start
 	}
-	if reg != nil {
-		reg.MustRegister(m.Collectors()...)
+	for _, c := range []prometheus.Collector{m.published, m.publishTime, m.failed, m.parked, m.owned, m.pending, m.oldest} {
+		if err := reg.Register(c); err != nil {
+			return nil, err
+		}
 	}
-	return m
-}
-
-// Collectors returns every collector, for registering them elsewhere.
-func (m *Metrics) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.published, m.publishTime, m.failed, m.parked, m.owned, m.pending, m.oldest}
+	return m, nil
 }
 
 // Published implements relay.Metrics.
@@ -82,7 +90,9 @@ func (m *Metrics) Published(n int, took time.Duration) {
 }
 
 // Failed implements relay.Metrics.
-func (m *Metrics) Failed(kind string, n int) { m.failed.WithLabelValues(kind).Add(float64(n)) }
+func (m *Metrics) Failed(kind relay.FailureKind, n int) {
+	m.failed.WithLabelValues(string(kind)).Add(float64(n))
+}
 
 // Parked implements relay.Metrics.
 func (m *Metrics) Parked(n int) { m.parked.Add(float64(n)) }

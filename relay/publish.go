@@ -10,7 +10,7 @@ import (
 type result struct {
 	ackedIDs  []int64
 	ackedMsgs []*Message
-	// culprits failed permanently on their own (not as collateral of another message).
+	// culprits failed as undeliverable on their own (not as collateral of another message).
 	culprits []culprit
 	// transientMsgs are the first failed message of each chain that failed transiently.
 	transientMsgs []*Message
@@ -27,10 +27,10 @@ type culprit struct {
 //
 // Order: rows go in id order; once a row of a chain (a key, or a single keyless row) fails,
 // later rows of that chain in this batch are held back and wait for a later batch. Rows that
-// already failed permanently before (attempts > 0) are sent alone, at their place in the
+// already failed as undeliverable before (attempts > 0) are sent alone, at their place in the
 // order, so a poison row does not drag its neighbours into failing again.
 //
-// Attribution: a sink may fail several messages with the same permanent error when the
+// Attribution: a sink may fail several messages with the same undeliverable error when the
 // broker rejects a whole request (a Kafka record batch). Only a message that fails alone is
 // charged an attempt; when several fail together, they are split in halves and sent again,
 // earlier half first, until every failure is pinned on one message. Collateral messages are
@@ -51,7 +51,7 @@ func (r *Relay) publish(ctx context.Context, msgs []*Message) *result {
 			flush()
 			if !failed[m.blockKey] {
 				failed[m.blockKey] = true
-				res.culprits = append(res.culprits, culprit{m, Permanent(m.badMetadata)})
+				res.culprits = append(res.culprits, culprit{m, Undeliverable(m.badMetadata)})
 			}
 		case m.Attempts > 0:
 			flush()
@@ -65,7 +65,7 @@ func (r *Relay) publish(ctx context.Context, msgs []*Message) *result {
 }
 
 // send publishes msgs minus the chains that already failed in this batch, and bisects
-// ambiguous permanent failures.
+// ambiguous undeliverable failures.
 func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]bool, res *result) {
 	todo := make([]*Message, 0, len(msgs))
 	for _, m := range msgs {
@@ -82,8 +82,8 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 	took := time.Since(start)
 	abandoned := ctx.Err() != nil
 
-	var perm []*Message
-	var permErr []error
+	var undeliv []*Message
+	var undelivErr []error
 	acked, transient := 0, 0
 	for i, m := range todo {
 		err := errs[i]
@@ -99,9 +99,9 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 			acked++
 		case errors.Is(err, ErrHeldBack):
 			failed[m.blockKey] = true
-		case IsPermanent(err):
-			perm = append(perm, m)
-			permErr = append(permErr, err)
+		case IsUndeliverable(err):
+			undeliv = append(undeliv, m)
+			undelivErr = append(undelivErr, err)
 		default:
 			if !failed[m.blockKey] && !abandoned {
 				res.transientMsgs = append(res.transientMsgs, m)
@@ -116,30 +116,30 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 	}
 	if transient > 0 && !abandoned {
 		res.transient += transient
-		r.m.Failed(FailTransient, transient)
+		r.m.Failed(FailureTransient, transient)
 		r.log.Warn("relay: broker did not acknowledge messages; they stay in the outbox and are retried with backoff",
 			"failed", transient, "acked", acked, "err", firstTransient(errs))
 	}
-	if len(perm) == 0 {
+	if len(undeliv) == 0 {
 		return
 	}
-	if len(perm) == 1 || len(todo) == 1 {
-		for i, m := range perm {
+	if len(undeliv) == 1 || len(todo) == 1 {
+		for i, m := range undeliv {
 			failed[m.blockKey] = true
-			res.culprits = append(res.culprits, culprit{m, permErr[i]})
-			r.m.Failed(FailPermanent, 1)
+			res.culprits = append(res.culprits, culprit{m, undelivErr[i]})
+			r.m.Failed(FailureUndeliverable, 1)
 		}
 		return
 	}
 	// Several messages failed together: find out which one(s) the broker really refuses.
-	h := len(perm) / 2
-	r.send(ctx, perm[:h], failed, res)
-	r.send(ctx, perm[h:], failed, res)
+	h := len(undeliv) / 2
+	r.send(ctx, undeliv[:h], failed, res)
+	r.send(ctx, undeliv[h:], failed, res)
 }
 
 func firstTransient(errs []error) error {
 	for _, err := range errs {
-		if err != nil && !errors.Is(err, ErrHeldBack) && !IsPermanent(err) {
+		if err != nil && !errors.Is(err, ErrHeldBack) && !IsUndeliverable(err) {
 			return err
 		}
 	}
