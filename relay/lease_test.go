@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/migrations"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/relay/relaykafka"
 )
@@ -190,8 +191,23 @@ func TestNotMigrated(t *testing.T) {
 	db := testdb.NewEmpty(t)
 	r := newKafkaRelay(t, db, []string{"127.0.0.1:1"}, relay.Config{})
 	err := r.Run(context.Background())
-	if !errors.Is(err, relay.ErrNotMigrated) || !strings.Contains(err.Error(), "onceflow migrate up") {
+	if !errors.Is(err, relay.ErrNotMigrated) || !strings.Contains(err.Error(), "onceflow migrate up --schema "+db.Schema) {
 		t.Fatalf("Run on an empty schema: %v", err)
+	}
+	// A schema that lacks only the newest step is refused too, naming that step: checking for a
+	// few tables would have let it through.
+	ctx := context.Background()
+	if _, err := migrations.Up(ctx, db.Pool, migrations.Options{Schema: db.Schema}); err != nil {
+		t.Fatal(err)
+	}
+	all := migrations.All()
+	last := all[len(all)-1]
+	if _, err := db.Pool.Exec(ctx, `DELETE FROM `+db.Schema+`.schema_migration WHERE version = $1`, last.Version); err != nil {
+		t.Fatal(err)
+	}
+	err = newKafkaRelay(t, db, []string{"127.0.0.1:1"}, relay.Config{}).Run(ctx)
+	if !errors.Is(err, relay.ErrNotMigrated) || !strings.Contains(err.Error(), last.Name) {
+		t.Fatalf("Run on a schema without step %d (%s): %v", last.Version, last.Name, err)
 	}
 }
 

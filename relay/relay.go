@@ -11,6 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/migrations"
 )
 
 // Relay moves committed outbox rows to a Sink: claim a batch in id order, publish it, delete
@@ -69,8 +71,10 @@ func New(pool *pgxpool.Pool, sink Sink, cfg Config) (*Relay, error) {
 // Config returns the relay's configuration with defaults filled in.
 func (r *Relay) Config() Config { return r.cfg }
 
-// ErrNotMigrated is returned by Run when the schema lacks the relay's tables.
-var ErrNotMigrated = errors.New("relay: schema is not migrated")
+// ErrNotMigrated is matched (errors.Is) by Run's error when the schema lacks migration steps
+// this binary needs; the error lists them and names the command to run. It is
+// migrations.ErrNotMigrated.
+var ErrNotMigrated = migrations.ErrNotMigrated
 
 // Run publishes until ctx is cancelled, then lets the batch in flight finish (up to
 // Config.ShutdownTimeout), releases its leases so other relays take over at once, and returns
@@ -134,14 +138,10 @@ func (r *Relay) Health() error {
 }
 
 func (r *Relay) prepare(ctx context.Context) error {
-	var ok bool
-	err := r.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL`,
-		r.q.outbox, r.q.lease, r.q.parked).Scan(&ok)
-	if err != nil {
-		return fmt.Errorf("relay: check schema %q: %w", r.cfg.Schema, err)
-	}
-	if !ok {
-		return fmt.Errorf("%w: schema %q lacks the outbox or relay tables; run `onceflow migrate up --schema %s` (or migrations.Up) first", ErrNotMigrated, r.cfg.Schema, r.cfg.Schema)
+	// Every step this binary knows must be applied, not just the relay's tables: a later step
+	// may change a column the claim reads. The error lists what is missing and what to run.
+	if err := migrations.Validate(ctx, r.pool, migrations.Options{Schema: r.cfg.Schema, Logger: r.log}); err != nil {
+		return fmt.Errorf("relay: %w", err)
 	}
 	return pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('onceflow.relay'), hashtext($1))`, r.cfg.Schema); err != nil {
