@@ -79,7 +79,7 @@ func (s *onceflowSystem) start(ctx context.Context) (func(), error) {
 	if err != nil {
 		return nil, err
 	}
-	r, err := relay.New(s.pool, sink, relay.Config{Schema: s.schema, Logger: s.e.relayLog()})
+	r, err := relay.New(relay.Config{Pool: s.pool, Sink: sink, Schema: s.schema, Logger: s.e.relayLog()})
 	if err != nil {
 		_ = sink.Close()
 		return nil, err

@@ -5,9 +5,11 @@ import (
 	"log/slog"
 	"os"
 	"strconv"
-	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/config"
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
@@ -35,9 +37,16 @@ const (
 	maxInstanceID   = 200
 )
 
-// Config configures a Relay. The zero value is valid and uses the documented defaults; New
-// reports every invalid field at once.
+// Config configures a Relay. Pool and Sink are required; every other field has a documented
+// default. New reports every invalid field at once.
 type Config struct {
+	// Pool reaches the database holding the migrated schema. Required. The relay also opens one
+	// extra connection of its own (with the pool's settings) for LISTEN.
+	Pool *pgxpool.Pool
+	// Sink publishes the claimed rows. Required: relaykafka.NewSink for Kafka, or
+	// NewPublisherSink for any Watermill publisher.
+	Sink Sink
+
 	// Schema holds the outbox and relay tables. Default "onceflow".
 	Schema string
 
@@ -194,28 +203,17 @@ func (c Config) withDefaults() (Config, error) {
 		add("InstanceID is %d bytes long; use at most %d", len(c.InstanceID), maxInstanceID)
 	}
 	if len(problems) > 0 {
-		return c, &ConfigError{What: "config", Problems: problems}
+		return c, &ConfigError{Scope: "relay", Problems: problems}
 	}
 	return c, nil
 }
 
-// ConfigError lists every problem of a configuration, so all of them can be fixed at once.
-type ConfigError struct {
-	What     string // what was configured: "config", or "Kafka config" for relaykafka
-	Problems []error
-}
-
-// Error lists every problem on one line.
-func (e *ConfigError) Error() string {
-	parts := make([]string, len(e.Problems))
-	for i, p := range e.Problems {
-		parts[i] = p.Error()
-	}
-	return "relay: invalid " + e.What + ": " + strings.Join(parts, "; ")
-}
-
-// Unwrap returns the individual problems.
-func (e *ConfigError) Unwrap() []error { return e.Problems }
+// ConfigError is returned by New (and relaykafka.NewSink) for an invalid config. It lists
+// every problem at once: Scope names what was configured and Problems holds one error per
+// problem, each saying what to change; Error() puts them on one line. It is the same type in
+// every onceflow package (outbox, inbox, idempotency, relay), so errors.As with any of them
+// matches.
+type ConfigError = config.Error
 
 func defaultInstanceID() string {
 	host, err := os.Hostname()

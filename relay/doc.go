@@ -6,7 +6,7 @@
 // delivery is at-least-once, identity is stable, and consumers deduplicate with the inbox.
 //
 //	sink, _ := relaykafka.NewSink(relaykafka.Config{Brokers: []string{"localhost:9092"}})
-//	r, _ := relay.New(pool, sink, relay.Config{})
+//	r, _ := relay.New(relay.Config{Pool: pool, Sink: sink})
 //	err := r.Run(ctx) // until ctx is cancelled
 //
 // # Wake-up

@@ -44,7 +44,7 @@ func Example() {
 		return
 	}
 	defer func() { _ = sink.Close() }()
-	r, err := relay.New(pool, sink, relay.Config{Logger: slog.New(slog.DiscardHandler)})
+	r, err := relay.New(relay.Config{Pool: pool, Sink: sink, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		fmt.Println(err)
 		return

@@ -286,7 +286,8 @@ func newKafkaRelayWith(t testing.TB, db *testdb.DB, kcfg relaykafka.Config, cfg 
 	if cfg.Logger == nil {
 		cfg.Logger = testLogger(t)
 	}
-	r, err := relay.New(db.Pool, sink, cfg)
+	cfg.Pool, cfg.Sink = db.Pool, sink
+	r, err := relay.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -239,7 +239,7 @@ func TestDatabaseConnectionLoss(t *testing.T) {
 	}
 	defer func() { _ = sink.Close() }()
 	rec := newRecorder()
-	r, err := relay.New(pool, sink, relay.Config{Schema: db.Schema, BatchSize: 20, Metrics: rec, Logger: testLogger(t),
+	r, err := relay.New(relay.Config{Pool: pool, Sink: sink, Schema: db.Schema, BatchSize: 20, Metrics: rec, Logger: testLogger(t),
 		LeaseDuration: 2 * time.Second, RetryBackoff: 10 * time.Millisecond, MaxRetryBackoff: 200 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)

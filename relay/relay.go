@@ -33,25 +33,28 @@ type Relay struct {
 	idleFails int
 }
 
-// New validates cfg and returns a relay publishing the outbox of cfg.Schema through sink.
-// pool must reach the database holding the migrated schema; the relay also opens one extra
-// connection of its own (with the pool's settings) for LISTEN. New does not touch the
+// New validates cfg, reporting every problem at once (*ConfigError), and returns a relay
+// publishing the outbox of cfg.Schema from cfg.Pool through cfg.Sink. New does not touch the
 // database; Run does.
-func New(pool *pgxpool.Pool, sink Sink, cfg Config) (*Relay, error) {
+func New(cfg Config) (*Relay, error) {
 	cfg, err := cfg.withDefaults()
 	var problems []error
-	if err != nil {
+	var ce *ConfigError
+	if errors.As(err, &ce) {
+		problems = append(problems, ce.Problems...)
+	} else if err != nil {
 		problems = append(problems, err)
 	}
-	if pool == nil {
-		problems = append(problems, errors.New("relay: pool is nil"))
+	if cfg.Pool == nil {
+		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool of the database holding the outbox"))
 	}
-	if sink == nil {
-		problems = append(problems, errors.New("relay: sink is nil; use relaykafka.NewSink or relay.NewPublisherSink"))
+	if cfg.Sink == nil {
+		problems = append(problems, errors.New("Sink is nil; use relaykafka.NewSink or relay.NewPublisherSink"))
 	}
-	if err := errors.Join(problems...); err != nil {
-		return nil, err
+	if len(problems) > 0 {
+		return nil, &ConfigError{Scope: "relay", Problems: problems}
 	}
+	pool, sink := cfg.Pool, cfg.Sink
 	q := newQueries(cfg.Schema)
 	r := &Relay{
 		cfg:     cfg,

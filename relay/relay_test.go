@@ -142,7 +142,7 @@ func TestPublisherSinkWithWatermillKafka(t *testing.T) {
 	}
 	sink := relaykafka.NewPublisherSink(pub)
 	defer func() { _ = sink.Close() }()
-	r, err := relay.New(db.Pool, sink, relay.Config{Schema: db.Schema, BatchSize: 100, Logger: testLogger(t)})
+	r, err := relay.New(relay.Config{Pool: db.Pool, Sink: sink, Schema: db.Schema, BatchSize: 100, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}

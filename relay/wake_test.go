@@ -57,7 +57,8 @@ func newRelayOnPool(t testing.TB, pool *pgxpool.Pool, db *testdb.DB, brokers []s
 	t.Cleanup(func() { _ = sink.Close() })
 	cfg.Schema = db.Schema
 	cfg.Logger = testLogger(t)
-	r, err := relay.New(pool, sink, cfg)
+	cfg.Pool, cfg.Sink = pool, sink
+	r, err := relay.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -174,7 +174,8 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		}
 		logger.Info("lease table resharded", "schema", db.schema, "shards", *shards)
 	}
-	r, err := relay.New(pool, sink, cfg)
+	cfg.Pool, cfg.Sink = pool, sink
+	r, err := relay.New(cfg)
 	if err != nil {
 		return err
 	}

@@ -133,7 +133,7 @@ func newPath(t *testing.T, prepare func(*message.Message)) *path {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r, err := relay.New(db.Pool, sink, relay.Config{Schema: db.Schema, Logger: testLogger()})
+	r, err := relay.New(relay.Config{Pool: db.Pool, Sink: sink, Schema: db.Schema, Logger: testLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}

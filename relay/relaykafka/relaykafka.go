@@ -4,7 +4,7 @@
 // links no Kafka client.
 //
 //	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: []string{"kafka-1:9092"}})
-//	r, err := relay.New(pool, sink, relay.Config{})
+//	r, err := relay.New(relay.Config{Pool: pool, Sink: sink})
 //	err = r.Run(ctx)
 //
 // Records are what watermill-kafka's DefaultMarshaler produces, so a plain watermill-kafka
@@ -110,7 +110,7 @@ func NewSink(cfg Config) (*Sink, error) {
 		problems = append(problems, fmt.Errorf("DeliveryTimeout is %s; use at least 1s (0 means the default %s)", cfg.DeliveryTimeout, DefaultDeliveryTimeout))
 	}
 	if len(problems) > 0 {
-		return nil, &relay.ConfigError{What: "Kafka config", Problems: problems}
+		return nil, &relay.ConfigError{Scope: "relaykafka", Problems: problems}
 	}
 	opts := []kgo.Opt{
 		kgo.SeedBrokers(cfg.Brokers...),

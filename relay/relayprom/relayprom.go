@@ -2,7 +2,7 @@
 // relay so that importing the relay does not pull in the Prometheus client.
 //
 //	m, err := relayprom.New(prometheus.DefaultRegisterer)
-//	r, err := relay.New(pool, sink, relay.Config{Metrics: m})
+//	r, err := relay.New(relay.Config{Pool: pool, Sink: sink, Metrics: m})
 package relayprom
 
 import (
