@@ -319,11 +319,13 @@ func TestNewWriterConfig(t *testing.T) {
 	}
 }
 
-func TestNotifyOnCommitOnly(t *testing.T) {
+// TestNotifyOnlyWhileARelaySleeps: a write sends no NOTIFY while no relay is asleep (so busy
+// writers never take PostgreSQL's commit-time notify lock); while one is, a write call sends
+// exactly one, delivered on commit only.
+func TestNotifyOnlyWhileARelaySleeps(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testdb.New(t)
-	w := newWriter(t, db, outbox.Config{})
 	listener, err := pgx.Connect(ctx, db.URL)
 	if err != nil {
 		t.Fatal(err)
@@ -332,7 +334,7 @@ func TestNotifyOnCommitOnly(t *testing.T) {
 	if _, err := listener.Exec(ctx, "LISTEN "+outbox.NotifyChannel(db.Schema)); err != nil {
 		t.Fatal(err)
 	}
-	write := func(commit bool) {
+	write := func(w *outbox.Writer, commit bool) {
 		tx, err := db.Pool.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
@@ -349,8 +351,27 @@ func TestNotifyOnCommitOnly(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	write(false)
-	write(true)
+	none := func(what string) {
+		t.Helper()
+		short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		defer cancel()
+		if n, err := listener.WaitForNotification(short); err == nil {
+			t.Fatalf("%s: unexpected notification %+v", what, n)
+		}
+	}
+
+	// No relay asleep: nothing is sent, and the writer stops asking for a while.
+	write(newWriter(t, db, outbox.Config{}), true)
+	none("no relay asleep")
+
+	// A relay asleep: one notification per committed write call, none for a rollback. Each
+	// writer is fresh, so it asks the database rather than trusting an earlier answer.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.relay_member (id, expires_at, asleep_until) VALUES ('r', now() + interval '1 hour', now() + interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	write(newWriter(t, db, outbox.Config{}), false)
+	w := newWriter(t, db, outbox.Config{})
+	write(w, true)
 	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	n, err := listener.WaitForNotification(wctx)
@@ -360,11 +381,31 @@ func TestNotifyOnCommitOnly(t *testing.T) {
 	if n.Channel != outbox.NotifyChannel(db.Schema) {
 		t.Fatalf("channel %q", n.Channel)
 	}
-	// Exactly one: the rolled-back call sent nothing and the two-message call sent one.
-	short, cancel2 := context.WithTimeout(ctx, 200*time.Millisecond)
-	defer cancel2()
-	if n, err := listener.WaitForNotification(short); err == nil {
-		t.Fatalf("unexpected second notification %+v", n)
+	none("a single write call")
+	// While the relay sleeps, the writer keeps asking (and notifying) on every call.
+	write(w, true)
+	if _, err := listener.WaitForNotification(wctx); err != nil {
+		t.Fatalf("second write while asleep: no notification: %v", err)
+	}
+
+	// DisableNotify never notifies.
+	write(newWriter(t, db, outbox.Config{DisableNotify: true}), true)
+	none("DisableNotify")
+}
+
+// TestWriteNeedsMigration: a schema without the wake-up function (migration 0003) fails the
+// write with the command to run.
+func TestWriteNeedsMigration(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(ctx, `DROP FUNCTION `+db.Schema+`.outbox_wake(text)`); err != nil {
+		t.Fatal(err)
+	}
+	w := newWriter(t, db, outbox.Config{})
+	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error { return w.WriteTx(ctx, tx, "t", outbox.NewMessage([]byte("x"))) })
+	if err == nil || !strings.Contains(err.Error(), "onceflow migrate up") {
+		t.Fatalf("write on an unmigrated schema: %v, want the command to run", err)
 	}
 }
 

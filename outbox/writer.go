@@ -19,12 +19,15 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"sync/atomic"
+	"time"
 
 	"github.com/onceflow/onceflow/internal/config"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
@@ -61,11 +64,22 @@ type Config struct {
 	Schema string
 	// MaxPayloadBytes refuses larger payloads. Default DefaultMaxPayloadBytes (1 MiB).
 	MaxPayloadBytes int
-	// DisableNotify skips the pg_notify wake-up. Default false: every write call sends one
-	// notification on NotifyChannel(Schema), delivered by PostgreSQL only when the
-	// transaction commits, so relays wake at once instead of at their next poll.
+	// DisableNotify never wakes a sleeping relay; relays then find the rows at their next
+	// poll (up to relay.Config.PollInterval later when they are idle). Default false: a write
+	// sends a NOTIFY on NotifyChannel(Schema), delivered at commit, only while some relay of the
+	// schema is asleep (no rows for a while, waiting for NOTIFY); while relays poll for traffic
+	// nothing is sent. PostgreSQL's NOTIFY takes a cluster-wide lock from commit until the
+	// commit is flushed, so sending one in every transaction would serialise every writer of
+	// the cluster.
 	DisableNotify bool
 }
+
+// WakeCheckInterval is how long a Writer trusts that every relay is awake before it asks the
+// database again. A write call that asks costs slightly more (it calls the schema's
+// outbox_wake function, which notifies if a relay sleeps); the others are a plain INSERT. A
+// relay that goes to sleep keeps polling tightly for longer than this, so writers that still
+// believe it awake are found without a notification.
+const WakeCheckInterval = 50 * time.Millisecond
 
 // NotifyChannel is the LISTEN/NOTIFY channel a write call signals on commit: the schema name
 // followed by "_outbox" ("onceflow_outbox" by default), cut to 63 bytes, the longest channel
@@ -84,10 +98,16 @@ func NotifyChannel(schema string) string {
 // Writer inserts messages into the outbox. It is safe for concurrent use.
 type Writer struct {
 	cfg Config
-	// insertSQL takes one topic for the whole call ($1 text), insertRoutedSQL one per message
-	// ($1 text[]), for calls whose messages go to several topics (ToTopic).
-	insertSQL, insertRoutedSQL string
+	// plain and wake hold the statements without and with the wake-up check.
+	plain, wake statements
+	// awakeAt is when a write last found every relay awake (UnixNano; 0 = check on the next
+	// write): until WakeCheckInterval after it, writes skip the check.
+	awakeAt atomic.Int64
 }
+
+// statements are the three shapes of a write: one message; several with one topic ($1 text);
+// several with a topic each ($1 text[], for calls whose messages go to several topics).
+type statements struct{ one, many, routed string }
 
 // NewWriter validates cfg and returns a Writer.
 func NewWriter(cfg Config) (*Writer, error) {
@@ -107,31 +127,23 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if err := config.Check("outbox", problems...); err != nil {
 		return nil, err
 	}
-	return &Writer{cfg: cfg, insertSQL: insertSQL(cfg, "$1"), insertRoutedSQL: insertSQL(cfg, "t")}, nil
-}
-
-// insertSQL is the write statement. topic is "$1" for a call with one topic, or "t" to take
-// each row's topic from the unnested $1 text[] array.
-func insertSQL(cfg Config, topic string) string {
-	topics := ""
-	if topic == "t" {
-		topics = "$1::text[], "
+	w := &Writer{cfg: cfg}
+	cols := `INSERT INTO ` + pgsql.Table(cfg.Schema, "outbox") + ` (event_id, topic, partition_key, key_hash, payload, metadata) `
+	// One statement, one round trip. A single message (the common case: one event per business
+	// transaction) is a plain VALUES insert, as cheap as any INSERT of these columns; several
+	// are unnested in order, so ids (the relay's claim order) follow the order of the messages.
+	w.plain = statements{
+		one:    cols + `VALUES ($2::uuid, $1, $3, $4, $5, $6::jsonb)`,
+		many:   cols + `SELECT e, $1, k, h, p, m::jsonb FROM unnest($2::uuid[], $3::text[], $4::bigint[], $5::bytea[], $6::text[]) AS u(e, k, h, p, m)`,
+		routed: cols + `SELECT e, t, k, h, p, m::jsonb FROM unnest($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::bytea[], $6::text[]) AS u(t, e, k, h, p, m)`,
 	}
-	cols := topics + `$2::uuid[], $3::text[], $4::bigint[], $5::bytea[], $6::text[]`
-	as := "e, k, h, p, m"
-	if topic == "t" {
-		as = "t, " + as
+	// The checking variant also calls outbox_wake once per call: it notifies on commit when a
+	// relay sleeps, and says whether one does.
+	wake := func(insert string) string {
+		return `WITH ins AS (` + insert + ` RETURNING 1) SELECT (SELECT count(*) FROM ins), ` + pgsql.Ident(cfg.Schema) + `.outbox_wake($7)`
 	}
-	// One statement, one round trip: the arrays are unnested in order, so ids (the relay's claim
-	// order) follow the order of the messages in the call. The notification rides along in a
-	// CTE joined into the result so it runs exactly once per call.
-	insert := `INSERT INTO ` + pgsql.Table(cfg.Schema, "outbox") + ` (event_id, topic, partition_key, key_hash, payload, metadata)
-	SELECT e, ` + topic + `, k, h, p, m::jsonb FROM unnest(` + cols + `) AS u(` + as + `)
-	RETURNING 1`
-	if cfg.DisableNotify {
-		return `WITH ins AS (` + insert + `) SELECT count(*) FROM ins`
-	}
-	return `WITH ins AS (` + insert + `), wake AS (SELECT pg_notify($7, '')) SELECT count(*) FROM ins, wake`
+	w.wake = statements{one: wake(w.plain.one), many: wake(w.plain.many), routed: wake(w.plain.routed)}
+	return w, nil
 }
 
 // Config returns the writer's configuration with defaults filled in.
@@ -140,7 +152,7 @@ func (w *Writer) Config() Config { return w.cfg }
 var defaultWriter, _ = NewWriter(Config{})
 
 // WriteTx writes msgs with the default configuration (schema "onceflow", 1 MiB limit,
-// notify on commit). See Writer.WriteTx.
+// sleeping relays woken on commit). See Writer.WriteTx.
 func WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
 	return defaultWriter.WriteTx(ctx, tx, topic, msgs...)
 }
@@ -200,21 +212,53 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 	if err := errors.Join(problems...); err != nil {
 		return err
 	}
-	sql, args := w.insertSQL, []any{topics[0], ids, keys, hashes, payloads, metas}
-	if routed {
-		sql, args[0] = w.insertRoutedSQL, topics
+	check := !w.cfg.DisableNotify && time.Duration(time.Now().UnixNano()-w.awakeAt.Load()) >= WakeCheckInterval
+	st := w.plain
+	if check {
+		st = w.wake
 	}
-	if !w.cfg.DisableNotify {
-		args = append(args, NotifyChannel(w.cfg.Schema))
+	var sql string
+	var args []any
+	switch {
+	case len(msgs) == 1:
+		sql, args = st.one, []any{topics[0], ids[0], keys[0], hashes[0], payloads[0], metas[0]}
+	case routed:
+		sql, args = st.routed, []any{topics, ids, keys, hashes, payloads, metas}
+	default:
+		sql, args = st.many, []any{topics[0], ids, keys, hashes, payloads, metas}
 	}
 	var n int64
-	if err := tx.QueryRow(ctx, sql, args...).Scan(&n); err != nil {
-		return fmt.Errorf("outbox: insert %d messages into %s.outbox: %w", len(msgs), w.cfg.Schema, err)
+	if check {
+		var asleep bool
+		if err := tx.QueryRow(ctx, sql, append(args, NotifyChannel(w.cfg.Schema))...).Scan(&n, &asleep); err != nil {
+			return w.insertError(len(msgs), err)
+		}
+		if asleep {
+			w.awakeAt.Store(0) // keep notifying until a relay is seen awake again
+		} else {
+			w.awakeAt.Store(time.Now().UnixNano())
+		}
+	} else {
+		tag, err := tx.Exec(ctx, sql, args...)
+		if err != nil {
+			return w.insertError(len(msgs), err)
+		}
+		n = tag.RowsAffected()
 	}
 	if n != int64(len(msgs)) {
 		return fmt.Errorf("outbox: inserted %d rows for %d messages", n, len(msgs))
 	}
 	return nil
+}
+
+// insertError wraps a failed insert, saying what to run when the schema lacks a migration.
+func (w *Writer) insertError(n int, err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == "42883" || pgErr.Code == "42P01" || pgErr.Code == "42703") {
+		// undefined function, table or column: the schema is older than this library.
+		return fmt.Errorf("outbox: insert %d messages into %s.outbox: %w (the schema lacks migrations this version needs: run `onceflow migrate up --schema %s` or migrations.Up)", n, w.cfg.Schema, err, w.cfg.Schema)
+	}
+	return fmt.Errorf("outbox: insert %d messages into %s.outbox: %w", n, w.cfg.Schema, err)
 }
 
 // storedMetadata is md without the routing key, which is consumed by the write. The caller's

@@ -23,14 +23,15 @@ func backoffDelay(base, max time.Duration, n int, jitter float64) time.Duration 
 	return d - d/4 + spread
 }
 
-// maxBlocked caps how many keys are excluded from claims at once; beyond it, failing keys are
-// not tracked and the global backoff alone slows retries (an outage of the whole broker, not a
-// few bad keys).
+// maxBlocked caps how many chains are excluded from claims at once; beyond it, failing chains
+// are not tracked (their rows are claimed again at once) and the global backoff alone slows
+// retries (an outage of the whole broker, not a few bad keys).
 const maxBlocked = 10_000
 
-// blockList remembers order chains (keys, or single rows without a key) whose head failed, so
-// claims skip them until their backoff expires while every other key keeps flowing. Only the
-// publishing loop uses it.
+// blockList remembers order chains (keys, or single rows without a key) whose head failed.
+// Claims from the cursor exclude them, so every other key keeps flowing and the cursor moves
+// on past their rows; when a chain's backoff expires, a retry claim fetches its rows from its
+// floor (its first row still pending) up to the cursor. Only the publishing loop uses it.
 type blockList struct {
 	base, max time.Duration
 	entries   map[string]*blockEntry
@@ -39,6 +40,7 @@ type blockList struct {
 type blockEntry struct {
 	key      string // partition key, or "" for a row without one
 	id       int64  // the row, when key == ""
+	floor    int64  // no row of the chain below this id is still pending
 	until    time.Time
 	failures int
 }
@@ -55,8 +57,9 @@ func blockKeyOf(key string, id int64) string {
 	return "i" + strconv.FormatInt(id, 10)
 }
 
-// fail records a failure of the chain's head. failures overrides the in-memory count when
-// larger (a row's persisted attempt count survives restarts). It returns the wait.
+// fail records a failure of the chain's head m, the chain's first row still pending.
+// failures overrides the in-memory count when larger (a row's persisted attempt count survives
+// restarts). It returns the wait, or 0 when the list is full and the chain is not tracked.
 func (b *blockList) fail(m *Message, failures int, now time.Time) time.Duration {
 	e, ok := b.entries[m.blockKey]
 	if !ok {
@@ -66,6 +69,7 @@ func (b *blockList) fail(m *Message, failures int, now time.Time) time.Duration 
 		e = &blockEntry{key: m.Key, id: m.ID}
 		b.entries[m.blockKey] = e
 	}
+	e.floor = m.ID
 	e.failures++
 	if failures > e.failures {
 		e.failures = failures
@@ -78,25 +82,96 @@ func (b *blockList) fail(m *Message, failures int, now time.Time) time.Duration 
 // ok forgets the chain: its head was delivered or parked.
 func (b *blockList) ok(m *Message) { delete(b.entries, m.blockKey) }
 
-// filter returns the keys and ids to exclude from the next claim and when the earliest of
-// them becomes eligible again (zero when none is blocked). Entries long past their wait are
-// dropped so keys that moved to another relay or vanished do not accumulate.
-func (b *blockList) filter(now time.Time) (keys []string, ids []int64, next time.Time) {
-	for bk, e := range b.entries {
-		if !e.until.After(now) {
-			if now.Sub(e.until) > 2*b.max+time.Minute {
-				delete(b.entries, bk)
+// has reports whether the chain is tracked.
+func (b *blockList) has(blockKey string) bool { _, ok := b.entries[blockKey]; return ok }
+
+// lowerFloors makes every chain start at id at the latest: rows committed late below the cursor
+// may belong to blocked chains.
+func (b *blockList) lowerFloors(id int64) {
+	for _, e := range b.entries {
+		if id < e.floor {
+			e.floor = id
+		}
+	}
+}
+
+// blockedSet is what a claim must know about the blocked chains.
+type blockedSet struct {
+	keys []string // every tracked key: excluded from cursor claims
+	ids  []int64  // every tracked keyless row: excluded from cursor claims
+	// due are the chains whose wait is over: a retry claim fetches their rows.
+	dueKeys []string
+	dueIDs  []int64
+	floor   int64     // lowest floor among the due chains
+	next    time.Time // when the earliest waiting chain becomes due (zero when none waits)
+}
+
+func (s blockedSet) anyDue() bool { return len(s.dueKeys)+len(s.dueIDs) > 0 }
+
+// plan splits the tracked chains into waiting and due ones at now.
+func (b *blockList) plan(now time.Time) blockedSet {
+	var s blockedSet
+	for _, e := range b.entries {
+		if e.key != "" {
+			s.keys = append(s.keys, e.key)
+		} else {
+			s.ids = append(s.ids, e.id)
+		}
+		if e.until.After(now) {
+			if s.next.IsZero() || e.until.Before(s.next) {
+				s.next = e.until
 			}
 			continue
 		}
 		if e.key != "" {
-			keys = append(keys, e.key)
+			s.dueKeys = append(s.dueKeys, e.key)
 		} else {
-			ids = append(ids, e.id)
+			s.dueIDs = append(s.dueIDs, e.id)
 		}
-		if next.IsZero() || e.until.Before(next) {
-			next = e.until
+		if len(s.dueKeys)+len(s.dueIDs) == 1 || e.floor < s.floor {
+			s.floor = e.floor
 		}
 	}
-	return keys, ids, next
+	return s
+}
+
+// retried settles the due chains after a retry claim that fetched msgs. done reports the rows
+// that left the outbox (delivered or parked). A chain that failed again waits its new backoff;
+// one with a fetched row still pending (the batch was abandoned) is retried at once from that
+// row; one delivered in full is forgotten when the claim reached the cursor (exhausted), and
+// otherwise retried at once from just after the last row fetched.
+func (b *blockList) retried(s blockedSet, msgs []*Message, done func(*Message) bool, exhausted bool, now time.Time) {
+	var last int64
+	open := map[string]int64{} // chain → its first fetched row still pending
+	for _, m := range msgs {
+		last = max(last, m.ID)
+		if _, ok := open[m.blockKey]; !ok && !done(m) {
+			open[m.blockKey] = m.ID
+		}
+	}
+	settle := func(bk string, key string, id int64) {
+		e, tracked := b.entries[bk]
+		if tracked && e.until.After(now) {
+			return
+		}
+		floor, pending := open[bk]
+		if !pending {
+			if exhausted {
+				delete(b.entries, bk)
+				return
+			}
+			floor = last + 1
+		}
+		if !tracked {
+			e = &blockEntry{key: key, id: id}
+			b.entries[bk] = e
+		}
+		e.floor, e.until = floor, now
+	}
+	for _, k := range s.dueKeys {
+		settle(blockKeyOf(k, 0), k, 0)
+	}
+	for _, id := range s.dueIDs {
+		settle(blockKeyOf("", id), "", id)
+	}
 }

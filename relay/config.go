@@ -16,7 +16,9 @@ import (
 // Defaults used when a Config field is left zero.
 const (
 	DefaultBatchSize       = 1000
+	DefaultMaxBatchBytes   = 64 << 20
 	DefaultPollInterval    = time.Second
+	DefaultBusyPoll        = 2 * time.Millisecond
 	DefaultShards          = 64
 	DefaultLeaseDuration   = 8 * time.Second
 	DefaultMaxAttempts     = 10
@@ -34,6 +36,10 @@ const (
 	MinLeaseDuration = 400 * time.Millisecond
 	// MinPollInterval keeps an idle relay from hammering the database.
 	MinPollInterval = 5 * time.Millisecond
+	// MinBusyPoll keeps a busy relay from claiming in a tight loop.
+	MinBusyPoll = 100 * time.Microsecond
+	// MinBatchBytes is the smallest byte budget accepted.
+	MinBatchBytes = 1 << 10
 	maxInstanceID   = 200
 )
 
@@ -51,14 +57,29 @@ type Config struct {
 	Schema string
 
 	// BatchSize is the most rows claimed, and sent to the broker in one round trip, at a time.
-	// Default 1000. Memory per relay is about BatchSize × the largest payload.
+	// Default 1000.
 	BatchSize int
 
-	// PollInterval is how long an idle relay waits before looking for rows when no
-	// notification arrived. Rows normally wake the relay at once through LISTEN/NOTIFY; the poll
-	// covers lost notifications and writers with notify disabled. Default 1s (an idle relay
-	// costs about one claim query per PollInterval plus one lease round trip per LeaseDuration/4).
+	// MaxBatchBytes bounds the bytes of one batch (payloads, keys, topics and metadata of the
+	// rows claimed together), so the relay's memory is bounded by configuration, not by the
+	// data: the claim stops adding rows once the next one would exceed it (a single row larger
+	// than the budget is still claimed, alone). Peak memory is about twice this plus a few tens
+	// of MiB (the Go heap keeps garbage up to its live size, see GOGC). Default 64 MiB.
+	MaxBatchBytes int64
+
+	// PollInterval is the longest an idle relay waits before looking for rows when no
+	// notification arrived. An idle relay sleeps: it marks itself asleep in relay_member, and
+	// writers then send a NOTIFY on commit, which wakes it at once; the poll covers lost
+	// notifications and writers with notify disabled. Default 1s (an idle relay costs about one
+	// claim per PollInterval plus one lease round trip per LeaseDuration/4).
 	PollInterval time.Duration
+
+	// BusyPollInterval is how often the relay claims while rows keep arriving and its last
+	// batch was not full (a full batch is followed by the next claim at once). It bounds the
+	// delay rows wait under load without any notification, and lets batches grow with the
+	// traffic instead of costing a claim, a produce and a delete per event. After 100ms without
+	// rows the relay goes to sleep (see PollInterval). Default 2ms.
+	BusyPollInterval time.Duration
 
 	// Shards is the number of virtual shards rows are spread over (key_hash % Shards). Each
 	// shard is published by one relay at a time. Every relay of a schema must use the same
@@ -98,7 +119,9 @@ type Config struct {
 	// for them to expire. Default "<hostname>-<pid>".
 	InstanceID string
 
-	// DisableListen turns off LISTEN/NOTIFY; the relay then finds rows by polling only.
+	// DisableListen turns off LISTEN/NOTIFY; the relay then finds rows by polling only (every
+	// BusyPollInterval while rows arrive, backing off to PollInterval when idle), and never asks
+	// writers to notify it.
 	DisableListen bool
 
 	// Logger receives the relay's logs. Default: slog.Default().
@@ -136,8 +159,14 @@ func (c Config) withDefaults() (Config, error) {
 	if c.BatchSize == 0 {
 		c.BatchSize = DefaultBatchSize
 	}
+	if c.MaxBatchBytes == 0 {
+		c.MaxBatchBytes = DefaultMaxBatchBytes
+	}
 	if c.PollInterval == 0 {
 		c.PollInterval = DefaultPollInterval
+	}
+	if c.BusyPollInterval == 0 {
+		c.BusyPollInterval = DefaultBusyPoll
 	}
 	if c.Shards == 0 {
 		c.Shards = DefaultShards
@@ -178,8 +207,14 @@ func (c Config) withDefaults() (Config, error) {
 	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
 		add("BatchSize is %d; use 1 to %d (0 means the default %d)", c.BatchSize, MaxBatchSize, DefaultBatchSize)
 	}
+	if c.MaxBatchBytes < MinBatchBytes {
+		add("MaxBatchBytes is %d; use at least %d (0 means the default %d)", c.MaxBatchBytes, MinBatchBytes, DefaultMaxBatchBytes)
+	}
 	if c.PollInterval < MinPollInterval {
 		add("PollInterval is %s; use at least %s (0 means the default %s)", c.PollInterval, MinPollInterval, DefaultPollInterval)
+	}
+	if c.BusyPollInterval < MinBusyPoll || (c.PollInterval >= MinPollInterval && c.BusyPollInterval > c.PollInterval) {
+		add("BusyPollInterval is %s; use %s to PollInterval (%s) (0 means the default %s)", c.BusyPollInterval, MinBusyPoll, c.PollInterval, DefaultBusyPoll)
 	}
 	if c.Shards < 1 || c.Shards > MaxShards {
 		add("Shards is %d; use 1 to %d (0 means the default %d)", c.Shards, MaxShards, DefaultShards)

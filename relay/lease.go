@@ -46,6 +46,9 @@ type leases struct {
 	inflight   context.CancelFunc
 	fence      *time.Timer
 	ticks      int
+	// gen counts acquisitions: a claim cursor from an older generation has never looked at the
+	// rows of the shards acquired since, so the loop restarts it from the beginning.
+	gen uint64
 
 	changed chan struct{} // shards acquired: wake the publishing loop
 }
@@ -64,6 +67,7 @@ type snapshot struct {
 	shards []int   // sorted
 	epochs []int64 // indexed by shard; -1 where not owned
 	all    bool    // every shard is owned: the claim needs no shard filter
+	gen    uint64  // leases.gen when the snapshot was taken
 }
 
 // begin returns the shards the next batch may publish, or ok=false when none, together with a
@@ -91,6 +95,7 @@ func (l *leases) begin(parent context.Context) (s snapshot, ctx context.Context,
 	}
 	slices.Sort(s.shards)
 	s.all = len(s.shards) == l.cfg.Shards
+	s.gen = l.gen
 	ctx, cancel := context.WithCancel(parent)
 	l.inflight = cancel
 	return s, ctx, func() {
@@ -301,6 +306,7 @@ func (l *leases) tick(ctx context.Context) error {
 			for shard, epoch := range got {
 				l.owned[shard] = epoch
 			}
+			l.gen++
 			// The new leases were written after `sent`, so the fence computed from it is
 			// conservative for them too.
 			n := len(l.owned)

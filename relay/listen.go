@@ -39,6 +39,8 @@ func (r *Relay) listen(ctx context.Context) {
 			if _, err := conn.Exec(ctx, "LISTEN "+channel); err != nil {
 				return fmt.Errorf("LISTEN %s: %w", channel, err)
 			}
+			r.listening.Store(true)
+			defer r.listening.Store(false)
 			if fails > 0 {
 				r.log.Info("relay listener reconnected", "channel", channel)
 			}

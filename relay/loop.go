@@ -8,12 +8,25 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/outbox"
 )
 
-// loop is the publishing loop: one batch at a time, in id order.
+// Sleep and wake-up timing (see Config.BusyPollInterval and docs/relay.md).
+const (
+	// idleAfter is how long without rows before the relay goes to sleep.
+	idleAfter = 100 * time.Millisecond
+	// sleepGrace is how long a relay that just went to sleep keeps polling tightly: writers
+	// trust a relay to be awake for up to outbox.WakeCheckInterval after they last looked, and
+	// do not notify meanwhile.
+	sleepGrace = 2 * outbox.WakeCheckInterval
+)
+
+// loop is the publishing loop: one batch at a time.
 func (r *Relay) loop(ctx context.Context) {
 	poll := time.NewTimer(r.cfg.PollInterval)
 	defer poll.Stop()
+	r.lastRows, r.backoff = time.Now(), r.cfg.BusyPollInterval
 	for ctx.Err() == nil {
 		if shards, epochs := r.leases.takeReleases(); len(shards) > 0 {
 			if err := r.leases.giveBack(ctx, shards, epochs); err != nil && ctx.Err() == nil {
@@ -21,22 +34,27 @@ func (r *Relay) loop(ctx context.Context) {
 				r.log.Warn("relay could not release shards; they expire on their own", "err", err)
 			}
 		}
-		wait, next := r.step(ctx)
-		switch next {
+		out := r.step(ctx)
+		var wait time.Duration
+		switch out.next {
 		case claimAgain:
 			continue
 		case backOff:
 			// Something failed for everyone (broker or database): wait it out, ignoring
 			// notifications, which would only hit the same failure sooner.
-			poll.Reset(wait)
+			poll.Reset(out.wait)
 			select {
 			case <-ctx.Done():
 			case <-poll.C:
 			}
 			continue
-		}
-		if wait <= 0 || wait > r.cfg.PollInterval {
+		case noShards:
+			if r.asleep {
+				r.setAwake(ctx) // nothing to publish: writers need not wake this relay
+			}
 			wait = r.cfg.PollInterval
+		default:
+			wait = r.idleWait(ctx, out)
 		}
 		poll.Reset(wait)
 		select {
@@ -54,21 +72,106 @@ func (r *Relay) loop(ctx context.Context) {
 	}
 }
 
+// idleWait decides how long the loop waits after a batch that was not full, moving between
+// polling and sleeping: every BusyPollInterval while rows keep coming; after idleAfter
+// without rows the relay marks itself asleep (writers then notify it on commit), keeps polling
+// tightly for sleepGrace, then backs off to PollInterval.
+func (r *Relay) idleWait(ctx context.Context, out stepOutcome) time.Duration {
+	now := time.Now()
+	wait := r.cfg.BusyPollInterval
+	switch {
+	case out.rows > 0:
+		r.lastRows, r.backoff = now, r.cfg.BusyPollInterval
+		if r.asleep {
+			r.setAwake(ctx)
+		}
+	case now.Sub(r.lastRows) >= idleAfter:
+		if !r.asleep && r.listening.Load() {
+			r.setAsleep(ctx)
+		}
+		if !r.asleep || now.Sub(r.sleptAt) >= sleepGrace {
+			// Asleep (woken by NOTIFY), or unable to be woken (no listener): poll less and less,
+			// quickly reaching PollInterval (a few polls still catch a transaction that wrote
+			// before the mark and commits late, without a notification).
+			r.backoff = min(4*r.backoff, r.cfg.PollInterval)
+			wait = r.backoff
+		}
+	}
+	if !out.retryAt.IsZero() {
+		wait = max(0, min(wait, out.retryAt.Sub(now)))
+	}
+	return wait
+}
+
+// setAsleep marks the relay asleep in relay_member, so writers notify it on commit.
+func (r *Relay) setAsleep(ctx context.Context) {
+	n, err := r.execAsync(ctx, r.q.sleep, r.cfg.InstanceID, r.cfg.LeaseDuration.Seconds())
+	if err != nil || n != 1 {
+		if err != nil && ctx.Err() == nil {
+			r.log.Debug("relay could not mark itself asleep; polling instead", "err", err)
+		}
+		return // stay awake: polling finds the rows, only later
+	}
+	r.asleep, r.sleptAt = true, time.Now()
+}
+
+// setAwake clears the mark, so writers stop notifying.
+func (r *Relay) setAwake(ctx context.Context) {
+	if _, err := r.execAsync(ctx, r.q.wake, r.cfg.InstanceID); err != nil && ctx.Err() == nil {
+		// Writers keep notifying until it expires with the heartbeat: slower commits, no harm.
+		r.log.Debug("relay could not clear its asleep mark", "err", err)
+	}
+	r.asleep = false
+}
+
+// execAsync runs one statement in a transaction that does not wait for the WAL flush (the
+// asleep mark is a hint: losing it in a crash costs nothing), in one round trip.
+func (r *Relay) execAsync(ctx context.Context, sql string, args ...any) (int64, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	b := &pgx.Batch{}
+	b.Queue("BEGIN")
+	b.Queue("SET LOCAL synchronous_commit TO OFF")
+	b.Queue(sql, args...)
+	b.Queue("COMMIT")
+	br := r.pool.SendBatch(ctx, b)
+	defer func() { _ = br.Close() }() // closed explicitly below on success
+	var n int64
+	for i := range 4 {
+		tag, err := br.Exec()
+		if err != nil {
+			return 0, err
+		}
+		if i == 2 {
+			n = tag.RowsAffected()
+		}
+	}
+	return n, br.Close()
+}
+
 // What the loop does after a step.
 type nextStep int
 
 const (
-	claimAgain nextStep = iota // the batch was full and made progress: claim the next one now
+	claimAgain nextStep = iota // more rows may be waiting (batch full or cut by the byte budget): claim now
 	idle                       // wait for a notification, a lease change, a blocked key's retry or the poll
 	backOff                    // a global failure: wait the whole backoff
+	noShards                   // the relay holds no shard
 )
 
-// step claims and publishes one batch and says what the loop does next, and for how long at
-// most it waits.
-func (r *Relay) step(ctx context.Context) (wait time.Duration, next nextStep) {
+// stepOutcome is what one step reports to the loop.
+type stepOutcome struct {
+	next    nextStep
+	wait    time.Duration // backOff: how long
+	rows    int           // rows claimed
+	retryAt time.Time     // when the earliest blocked chain may be retried (zero: none waits)
+}
+
+// step claims and publishes one batch and says what the loop does next.
+func (r *Relay) step(ctx context.Context) stepOutcome {
 	snap, bctx, done, ok := r.leases.begin(context.WithoutCancel(ctx))
 	if !ok {
-		return r.cfg.PollInterval, idle
+		return stepOutcome{next: noShards}
 	}
 	defer done()
 	// On shutdown the batch in flight gets ShutdownTimeout to finish; lease loss cancels it at
@@ -76,72 +179,101 @@ func (r *Relay) step(ctx context.Context) (wait time.Duration, next nextStep) {
 	stop := context.AfterFunc(ctx, func() { time.AfterFunc(r.cfg.ShutdownTimeout, done) })
 	defer stop()
 
+	if snap.gen != r.cur.gen {
+		// Shards were acquired: their rows below the cursor were never looked at.
+		r.cur = cursor{gen: snap.gen}
+	}
 	now := time.Now()
-	keys, ids, retryAt := r.blocked.filter(now)
-	sql, args := r.q.claimSQL(snap, r.cfg.Shards, keys, ids, r.cfg.BatchSize)
+	blocked := r.blocked.plan(now)
+	kind := claimNext
+	if blocked.anyDue() && !r.retriedLast {
+		kind = claimRetry
+	}
+	r.retriedLast = kind == claimRetry
+	var sql string
+	var args []any
+	if kind == claimRetry {
+		sql, args = r.q.retrySQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
+	} else {
+		sql, args = r.q.nextSQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
+	}
 	t0 := time.Now()
-	msgs, err := r.claim(bctx, sql, args)
+	c, err := r.runClaim(bctx, kind, sql, args, r.cfg.BatchSize)
 	tClaim := time.Since(t0)
 	if err != nil {
 		if bctx.Err() != nil {
-			return r.cfg.PollInterval, idle // lease lost or shutting down, not a database failure
+			return stepOutcome{next: idle, retryAt: blocked.next} // lease lost or shutting down, not a database failure
 		}
 		r.m.Failed(FailureDatabase, 1)
 		r.log.Warn("relay claim failed; retrying", "err", err)
-		return r.globalBackoff(), backOff
+		return stepOutcome{next: backOff, wait: r.globalBackoff()}
 	}
-	if !retryAt.IsZero() {
-		wait = retryAt.Sub(now)
+	res := &result{deleted: true}
+	if len(c.msgs) > 0 {
+		t1 := time.Now()
+		res = r.publish(bctx, c.msgs)
+		t2 := time.Now()
+		r.finish(ctx, snap, c.msgs, res)
+		if r.log.Enabled(ctx, slog.LevelDebug) {
+			r.log.Debug("relay batch", "kind", kind, "rows", len(c.msgs), "bytes", c.bytes, "acked", len(res.ackedIDs),
+				"failed", len(res.culprits)+res.transient, "claim", tClaim, "publish", t2.Sub(t1), "finish", time.Since(t2))
+		}
 	}
-	if len(msgs) == 0 {
-		r.idleFails = 0
-		return wait, idle
-	}
-	t1 := time.Now()
-	res := r.publish(bctx, msgs)
-	t2 := time.Now()
-	r.finish(ctx, snap, msgs, res)
-	if r.log.Enabled(ctx, slog.LevelDebug) {
-		r.log.Debug("relay batch", "rows", len(msgs), "acked", len(res.ackedIDs), "failed", len(res.culprits)+res.transient,
-			"claim", tClaim, "publish", t2.Sub(t1), "finish", time.Since(t2))
-	}
+	r.advance(c, res, blocked, time.Now())
+	out := stepOutcome{next: idle, rows: len(c.msgs), retryAt: r.blocked.plan(time.Now()).next}
 	if len(res.ackedIDs) == 0 && len(res.parkedIDs) == 0 && res.transient > 0 {
-		return r.globalBackoff(), backOff
+		return stepOutcome{next: backOff, wait: r.globalBackoff(), rows: len(c.msgs)}
 	}
 	r.idleFails = 0
-	if len(msgs) == r.cfg.BatchSize {
-		return 0, claimAgain
+	if kind == claimRetry || !c.exhausted() {
+		out.next = claimAgain
 	}
-	return wait, idle
+	return out
+}
+
+// advance moves the cursor after a batch (see cursor) and settles retried chains.
+func (r *Relay) advance(c *claimed, res *result, blocked blockedSet, now time.Time) {
+	deleted := make(map[int64]bool, len(res.ackedIDs)+len(res.parkedIDs))
+	if res.deleted {
+		for _, id := range res.ackedIDs {
+			deleted[id] = true
+		}
+	}
+	for _, id := range res.parkedIDs {
+		deleted[id] = true
+	}
+	switch c.kind {
+	case claimNext:
+		if c.low < r.cur.pos {
+			// Rows committed late below the cursor may belong to blocked chains.
+			r.blocked.lowerFloors(c.low + 1)
+		}
+		pos := c.low
+		if n := len(c.msgs); n > 0 {
+			pos = max(pos, c.msgs[n-1].ID)
+		}
+		if c.exhausted() && c.seq != nil {
+			// Every visible row above the cursor was seen: ids handed out but not yet visible
+			// are late commits for the next claim.
+			pos = max(pos, *c.seq)
+		}
+		r.cur.pos, r.cur.ref = pos, c.snap
+	case claimRetry:
+		r.blocked.retried(blocked, c.msgs, func(m *Message) bool { return deleted[m.ID] }, c.exhausted(), now)
+	}
+	// A row neither deleted nor held by a blocked chain (the batch was abandoned, its delete
+	// failed, the block list is full) must be claimed again: move the cursor back before it.
+	for _, m := range c.msgs {
+		if !deleted[m.ID] && !r.blocked.has(m.blockKey) && m.ID-1 < r.cur.pos {
+			r.cur.pos = m.ID - 1
+			break // msgs are in id order: the first one is the lowest
+		}
+	}
 }
 
 func (r *Relay) globalBackoff() time.Duration {
 	r.idleFails++
 	return backoffDelay(r.cfg.RetryBackoff, r.cfg.MaxRetryBackoff, r.idleFails, rand.Float64())
-}
-
-func (r *Relay) claim(ctx context.Context, sql string, args []any) ([]*Message, error) {
-	rows, err := r.pool.Query(ctx, sql, args...)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	msgs := make([]*Message, 0, r.cfg.BatchSize)
-	for rows.Next() {
-		m := &Message{}
-		var meta []byte
-		if err = rows.Scan(&m.ID, &m.EventID, &m.Topic, &m.Key, &m.keyHash, &m.Payload, &meta, &m.CreatedAt, &m.Attempts); err != nil {
-			return nil, err
-		}
-		m.blockKey = blockKeyOf(m.Key, m.ID)
-		if m.Metadata, err = parseMetadata(meta); err != nil {
-			// Not a JSON object of strings (the writer never stores that): refuse this row only.
-			m.Metadata = nil
-			m.badMetadata = fmt.Errorf("metadata of row %d is not a JSON object of strings: %w", m.ID, err)
-		}
-		msgs = append(msgs, m)
-	}
-	return msgs, rows.Err()
 }
 
 // finish records the batch's outcome in the database: acknowledged rows deleted, undeliverable
@@ -156,6 +288,7 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 	// that range while taking the key's later rows, and reorder the key.
 	if len(res.ackedIDs) > 0 {
 		if err := r.deleteAcked(fctx, res.ackedIDs); err != nil {
+			res.deleted = false
 			r.m.Failed(FailureDatabase, 1)
 			r.log.Warn("relay could not delete acknowledged rows; they will be published again (same event ids)", "rows", len(res.ackedIDs), "err", err)
 		}

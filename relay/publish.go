@@ -16,6 +16,8 @@ type result struct {
 	transientMsgs []*Message
 	transient     int
 	parkedIDs     []int64
+	// deleted is false when deleting the acknowledged rows failed (they stay in the outbox).
+	deleted bool
 }
 
 type culprit struct {
@@ -36,7 +38,7 @@ type culprit struct {
 // earlier half first, until every failure is pinned on one message. Collateral messages are
 // then simply delivered.
 func (r *Relay) publish(ctx context.Context, msgs []*Message) *result {
-	res := &result{ackedIDs: make([]int64, 0, len(msgs)), ackedMsgs: make([]*Message, 0, len(msgs))}
+	res := &result{ackedIDs: make([]int64, 0, len(msgs)), ackedMsgs: make([]*Message, 0, len(msgs)), deleted: true}
 	failed := map[string]bool{}
 	var seg []*Message
 	flush := func() {

@@ -31,6 +31,16 @@ type Relay struct {
 	// idleFails counts consecutive batches that made no progress because of transient
 	// errors; it drives the global backoff.
 	idleFails int
+
+	// The publishing loop's own state (only the loop goroutine touches it).
+	cur         cursor    // where the next claim starts
+	retriedLast bool      // the last claim was a retry claim: the next one claims from the cursor
+	lastRows    time.Time // when a claim last returned rows
+	backoff     time.Duration
+	asleep      bool // marked asleep in relay_member: writers notify on commit
+	sleptAt     time.Time
+	// listening is true while the listener connection is LISTENing.
+	listening atomic.Bool
 }
 
 // New validates cfg, reporting every problem at once (*ConfigError), and returns a relay
@@ -111,7 +121,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 	}
 	r.log.Info("relay started", "schema", r.cfg.Schema, "shards", r.cfg.Shards, "batch_size", r.cfg.BatchSize,
-		"poll_interval", r.cfg.PollInterval, "lease_duration", r.cfg.LeaseDuration)
+		"max_batch_bytes", r.cfg.MaxBatchBytes, "poll_interval", r.cfg.PollInterval, "busy_poll_interval", r.cfg.BusyPollInterval,
+		"lease_duration", r.cfg.LeaseDuration)
 
 	r.loop(lctx)
 
@@ -146,6 +157,7 @@ func (r *Relay) prepare(ctx context.Context) error {
 	if err := migrations.Validate(ctx, r.pool, migrations.Options{Schema: r.cfg.Schema, Logger: r.log}); err != nil {
 		return fmt.Errorf("relay: %w", err)
 	}
+	r.findSequence(ctx)
 	return pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('onceflow.relay'), hashtext($1))`, r.cfg.Schema); err != nil {
 			return fmt.Errorf("relay: lock lease table: %w", err)
@@ -166,4 +178,22 @@ func (r *Relay) prepare(ctx context.Context) error {
 		}
 		return nil
 	})
+}
+
+// findSequence lets claims read the outbox id sequence, so an exhausted claim can move the
+// cursor to the last id handed out (see cursor). Without it (no sequence, or no privilege to
+// read it) claims still work; an idle relay then re-reads the rows deleted since its last
+// claim that found rows, until vacuum removes them.
+func (r *Relay) findSequence(ctx context.Context) {
+	var oid *uint32
+	err := r.pool.QueryRow(ctx, `SELECT pg_get_serial_sequence($1, 'id')::regclass::oid`, r.q.outbox).Scan(&oid)
+	if err == nil && oid != nil {
+		expr := fmt.Sprintf("pg_sequence_last_value(%d::regclass)", *oid)
+		var last *int64
+		if err = r.pool.QueryRow(ctx, `SELECT `+expr).Scan(&last); err == nil {
+			r.q.seqLast = expr
+			return
+		}
+	}
+	r.log.Info("relay cannot read the outbox id sequence; idle claims cost more until vacuum runs", "err", err)
 }

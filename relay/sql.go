@@ -1,9 +1,6 @@
 package relay
 
 import (
-	"strconv"
-	"strings"
-
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
@@ -15,6 +12,10 @@ type queries struct {
 	shardCount                                                        string
 	deleteAcked, countFailure, park                                   string
 	stats                                                             string
+	sleep, wake                                                       string
+	// seqLast reads the outbox id sequence's last value inside a claim (NULL::bigint until
+	// prepare found the sequence and may read it).
+	seqLast string
 }
 
 func newQueries(schema string) *queries {
@@ -24,9 +25,16 @@ func newQueries(schema string) *queries {
 		member: pgsql.Table(schema, "relay_member"),
 		parked: pgsql.Table(schema, "outbox_parked"),
 	}
+	// A sleeping relay's asleep_until follows its heartbeat, so writers stop notifying a relay
+	// that died asleep once its membership expires; the heartbeat never sets or clears it (the
+	// publishing loop does, and a heartbeat sent just before that must not undo it).
 	q.heartbeat = `INSERT INTO ` + q.member + ` AS m (id, host, pid, expires_at)
 		VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8))
-		ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at, host = EXCLUDED.host, pid = EXCLUDED.pid`
+		ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at, host = EXCLUDED.host, pid = EXCLUDED.pid,
+			asleep_until = CASE WHEN m.asleep_until > now() THEN EXCLUDED.expires_at ELSE m.asleep_until END`
+	q.sleep = `UPDATE ` + q.member + ` SET asleep_until = now() + make_interval(secs => $2::float8) WHERE id = $1`
+	q.wake = `UPDATE ` + q.member + ` SET asleep_until = 'epoch' WHERE id = $1 AND asleep_until <> 'epoch'`
+	q.seqLast = `NULL::bigint`
 	// Renew only what is still ours: same owner and same epoch. A lease that expired but was
 	// not taken is still ours (nobody published in between).
 	q.renew = `UPDATE ` + q.lease + ` AS l SET expires_at = now() + make_interval(secs => $2::float8)
@@ -75,32 +83,4 @@ func newQueries(schema string) *queries {
 	q.stats = `SELECT (SELECT count(*) FROM ` + q.outbox + `),
 		coalesce(extract(epoch FROM now() - (SELECT created_at FROM ` + q.outbox + ` ORDER BY id LIMIT 1)), 0)::float8`
 	return q
-}
-
-// claimSQL builds the claim for a batch: committed rows of the given shards, minus blocked
-// keys and rows, oldest id first. It reads only committed rows and takes no locks, so an open
-// transaction elsewhere never delays it; the shard lease already makes this relay the only
-// publisher of these rows.
-func (q *queries) claimSQL(s snapshot, shards int, keys []string, ids []int64, limit int) (string, []any) {
-	var b strings.Builder
-	b.WriteString(`SELECT id, event_id::text, topic, partition_key, key_hash, payload, metadata, created_at, attempts FROM `)
-	b.WriteString(q.outbox)
-	args := []any{}
-	where := []string{}
-	arg := func(v any) string { args = append(args, v); return "$" + strconv.Itoa(len(args)) }
-	if !s.all {
-		where = append(where, `key_hash % `+arg(shards)+` = ANY(`+arg(s.shards)+`::int[])`)
-	}
-	if len(keys) > 0 {
-		where = append(where, `partition_key <> ALL(`+arg(keys)+`::text[])`)
-	}
-	if len(ids) > 0 {
-		where = append(where, `id <> ALL(`+arg(ids)+`::bigint[])`)
-	}
-	if len(where) > 0 {
-		b.WriteString(" WHERE ")
-		b.WriteString(strings.Join(where, " AND "))
-	}
-	b.WriteString(" ORDER BY id LIMIT " + arg(limit))
-	return b.String(), args
 }

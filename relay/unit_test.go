@@ -101,31 +101,45 @@ func TestConfigValidation(t *testing.T) {
 func TestClaimSQL(t *testing.T) {
 	q := newQueries("s")
 	all := snapshot{shards: []int{0, 1}, all: true}
-	sql, args := q.claimSQL(all, 2, nil, nil, 100)
-	if strings.Contains(sql, "WHERE") || len(args) != 1 {
-		t.Fatalf("owning every shard needs no filter: %s %v", sql, args)
+	sql, args := q.nextSQL(all, 2, cursor{}, blockedSet{}, 100, 1<<20)
+	if strings.Contains(sql, "key_hash %") || len(args) != 4 || args[0] != int64(0) || args[1] != nil {
+		t.Fatalf("owning every shard needs no filter, a fresh cursor no reference snapshot: %s %v", sql, args)
 	}
 	some := snapshot{shards: []int{3, 5}}
-	sql, args = q.claimSQL(some, 8, []string{"k"}, []int64{7}, 50)
-	want := `SELECT id, event_id::text, topic, partition_key, key_hash, payload, metadata, created_at, attempts FROM "s"."outbox" WHERE key_hash % $1 = ANY($2::int[]) AND partition_key <> ALL($3::text[]) AND id <> ALL($4::bigint[]) ORDER BY id LIMIT $5`
-	if sql != want || len(args) != 5 || args[0] != 8 || args[4] != 50 {
-		t.Fatalf("claim SQL:\n%s\nargs %v\nwant\n%s", sql, args, want)
+	sql, args = q.nextSQL(some, 8, cursor{pos: 42, ref: "10:12:11"}, blockedSet{keys: []string{"k"}, ids: []int64{7}}, 50, 1<<20)
+	for _, want := range []string{
+		`id > (SELECT lo FROM low) AND key_hash % $3 = ANY($4::int[]) AND partition_key <> ALL($5::text[]) AND id <> ALL($6::bigint[]) ORDER BY id LIMIT $7`,
+		`tx >= pg_snapshot_xmax(ref.s)`, `pg_snapshot_xip(ref.s)`, `run <= $8 OR rn = 1`,
+	} {
+		if !strings.Contains(sql, want) {
+			t.Errorf("claim SQL lacks %q:\n%s", want, sql)
+		}
 	}
-	if strings.Contains(sql, "FOR UPDATE") || strings.Contains(sql, "xmin") || strings.Contains(sql, "snapshot") {
-		t.Fatalf("the claim must read committed rows without locks or snapshot waits: %s", sql)
+	if len(args) != 8 || args[0] != int64(42) || args[1] != "10:12:11" || args[2] != 8 || args[6] != 50 {
+		t.Fatalf("claim args %v", args)
+	}
+	if strings.Contains(sql, "FOR UPDATE") || strings.Contains(sql, "xmin") {
+		t.Fatalf("the claim must read committed rows without locks or waits: %s", sql)
+	}
+	sql, args = q.retrySQL(some, 8, cursor{pos: 42}, blockedSet{dueKeys: []string{"k"}, dueIDs: []int64{9}, floor: 5}, 50, 1<<20)
+	if want := `WHERE id >= $1 AND id <= $2 AND key_hash % $3 = ANY($4::int[]) AND (partition_key = ANY($5::text[]) OR id = ANY($6::bigint[])) ORDER BY id LIMIT $7`; !strings.Contains(sql, want) {
+		t.Fatalf("retry SQL lacks %q:\n%s", want, sql)
+	}
+	if args[0] != int64(5) || args[1] != int64(42) {
+		t.Fatalf("retry args %v", args)
 	}
 }
 
 func TestBlockList(t *testing.T) {
 	now := time.Now()
 	b := newBlockList(100*time.Millisecond, time.Second)
-	k := &Message{ID: 1, Key: "K", blockKey: blockKeyOf("K", 1)}
-	free := &Message{ID: 2, blockKey: blockKeyOf("", 2)}
+	k := &Message{ID: 10, Key: "K", blockKey: blockKeyOf("K", 10)}
+	free := &Message{ID: 20, blockKey: blockKeyOf("", 20)}
 	d1 := b.fail(k, 0, now)
 	b.fail(free, 0, now)
-	keys, ids, next := b.filter(now)
-	if len(keys) != 1 || keys[0] != "K" || len(ids) != 1 || ids[0] != 2 || next.IsZero() {
-		t.Fatalf("filter = %v %v %v", keys, ids, next)
+	s := b.plan(now)
+	if len(s.keys) != 1 || s.keys[0] != "K" || len(s.ids) != 1 || s.ids[0] != 20 || s.next.IsZero() || s.anyDue() {
+		t.Fatalf("plan = %+v", s)
 	}
 	d2 := b.fail(k, 0, now)
 	if d2 <= d1*5/4 { // doubled, whatever the jitter (±25%)
@@ -134,16 +148,32 @@ func TestBlockList(t *testing.T) {
 	if d := b.fail(k, 9, now); d < 750*time.Millisecond {
 		t.Fatalf("a row with 9 persisted attempts waits %s, want the cap (±25%%)", d)
 	}
-	keys, ids, _ = b.filter(now.Add(2 * time.Second)) // every wait over
-	if len(keys)+len(ids) != 0 {
-		t.Fatalf("expired entries still filtered: %v %v", keys, ids)
+	later := now.Add(2 * time.Second) // every wait over
+	s = b.plan(later)
+	if len(s.dueKeys) != 1 || len(s.dueIDs) != 1 || s.floor != 10 || len(s.keys) != 1 || !s.next.IsZero() {
+		t.Fatalf("due plan = %+v", s)
 	}
+	b.lowerFloors(4)
+	if s = b.plan(later); s.floor != 4 {
+		t.Fatalf("floor after a late commit = %d, want 4", s.floor)
+	}
+	// A retry that stopped before the cursor keeps the chains due, from after its last row.
+	deleted := func(*Message) bool { return true }
 	b.ok(k)
-	if _, ok := b.entries[k.blockKey]; ok {
-		t.Fatal("ok did not forget the key")
+	b.retried(s, []*Message{k}, deleted, false, later)
+	if e := b.entries[k.blockKey]; e == nil || e.floor != 11 || e.until.After(later) {
+		t.Fatalf("partial retry: entry %+v, want floor 11 and due", e)
 	}
-	b.filter(now.Add(time.Hour)) // long expired entries are dropped
+	// An abandoned row is retried from itself.
+	s = b.plan(later)
+	b.retried(s, []*Message{k}, func(*Message) bool { return false }, true, later)
+	if e := b.entries[k.blockKey]; e == nil || e.floor != 10 {
+		t.Fatalf("abandoned retry: entry %+v, want floor 10", e)
+	}
+	// A complete retry forgets every due chain.
+	s = b.plan(later)
+	b.retried(s, nil, deleted, true, later)
 	if len(b.entries) != 0 {
-		t.Fatalf("stale entries kept: %d", len(b.entries))
+		t.Fatalf("complete retry left %d entries", len(b.entries))
 	}
 }

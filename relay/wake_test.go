@@ -104,8 +104,18 @@ func TestWakeUpByNotify(t *testing.T) {
 	checkDelivery(t, append(append(one, big...), after...), got)
 }
 
+// asleep reports whether a relay of the schema is marked asleep (writers notify it).
+func asleep(t testing.TB, db *testdb.DB) bool {
+	t.Helper()
+	var n int
+	if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM `+db.Schema+`.relay_member WHERE asleep_until > now()`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n > 0
+}
+
 // TestIdleCost: an idle relay with the default settings costs about one database round trip
-// per second: a claim per PollInterval (1 s) and one pipelined lease renewal per
+// per second once asleep: a claim per PollInterval (1 s) and one pipelined lease renewal per
 // LeaseDuration/4 (2 s).
 func TestIdleCost(t *testing.T) {
 	t.Parallel()
@@ -116,6 +126,11 @@ func TestIdleCost(t *testing.T) {
 	rec := newRecorder()
 	startRelay(t, newRelayOnPool(t, pool, db, brokers, relay.Config{Metrics: rec, StatsInterval: -1}))
 	rec.waitFor(t, 30*time.Second, "shards owned", func(r *recorder) bool { return r.owned == 64 })
+	// After 100ms without rows (and 100ms more of tight polling) the relay goes to sleep.
+	eventually(t, 30*time.Second, "the relay to sleep", func() bool { return asleep(t, db) })
+	// Past the grace period of tight polls after falling asleep and the few polls that follow
+	// (8, 32, 128, 512 ms): a steady state, not an event to await.
+	time.Sleep(time.Second)
 	window := 6 * time.Second
 	if inCI() {
 		window = 4 * time.Second

@@ -1,0 +1,232 @@
+package relay
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// A claim reads the next rows to publish without locks, and costs the same whatever the
+// backlog, however many rows were deleted before it, and however many rows of other relays'
+// shards or of blocked keys lie behind it.
+//
+// The cursor. Claims do not start at the beginning of the table (which, after a drain, is a
+// long run of deleted rows an index scan must step over until vacuum removes them) but after
+// cursor.pos: every row of this relay's shards that was visible to the snapshot of the claim
+// that set pos (cursor.ref), with an id at or below pos, has been handled (published and
+// deleted, parked, or belongs to a blocked chain, which the blockList tracks).
+//
+// Late commits. Ids are taken when a row is written, not when it commits, so a transaction
+// holding id 7 may commit after the claim that published id 8 moved the cursor past it. Such a
+// row is invisible to cursor.ref and visible now: its transaction (outbox.tx, the writing
+// transaction's id) is in ref's list of transactions in progress, or started after ref (tx at
+// or above ref's xmax). The next claim looks those up through the (tx, id) index — a handful
+// of index probes, not a scan — and when one of them sits at or below the cursor it starts
+// from just below it instead. This holds for any writer and any id assignment: it relies only
+// on snapshot visibility, never on ids and transaction ids being assigned in the same order.
+//
+// Exhaustion. When a claim finds fewer rows than it could take, every visible row above the
+// cursor was seen, so the cursor moves to the last id the sequence handed out (rows taken but
+// not yet committed are late commits for the next claim). An idle relay on a drained outbox
+// therefore reads a few index pages per claim, not the dead rows of the drain.
+//
+// Resets. The cursor is per relay process. When the relay acquires shards (at start, on
+// failover, on rebalance), their rows below the cursor were never looked at, so the cursor goes
+// back to 0 and the next claims walk the table once.
+type cursor struct {
+	pos int64
+	ref string // pg_snapshot of the claim that set pos, as text; "" when pos is 0
+	gen uint64 // lease generation pos belongs to (see leases.gen)
+}
+
+// claimKind says which query fetched a batch.
+type claimKind int
+
+const (
+	claimNext  claimKind = iota // rows after the cursor (and late commits below it)
+	claimRetry                  // rows of blocked chains whose backoff expired, up to the cursor
+)
+
+// claimed is one claim's outcome.
+type claimed struct {
+	kind claimKind
+	msgs []*Message // in id order
+	// taken is how many rows the query selected before the byte budget cut the batch; when it
+	// is below the limit and every row was returned, the query saw every candidate (exhausted).
+	taken int
+	limit int
+	low   int64  // claimNext: the id the claim started after (below the cursor after late commits)
+	snap  string // claimNext: the claim's snapshot
+	seq   *int64 // claimNext: the outbox id sequence's last value, read by the claim
+	bytes int64  // payload, key, topic and metadata bytes of msgs
+}
+
+func (c *claimed) exhausted() bool { return c.taken < c.limit && len(c.msgs) == c.taken }
+
+// rowColumns are the columns a claim returns per row, and rowSize the bytes one counts toward
+// Config.MaxBatchBytes (payload and metadata sizes are read without detoasting).
+const (
+	rowColumns = `id, event_id, topic, partition_key, key_hash, payload, metadata, created_at, attempts`
+	rowSize    = `octet_length(payload) + octet_length(topic) + octet_length(partition_key) + pg_column_size(metadata) + 64`
+)
+
+// claimArgs collects positional parameters.
+type claimArgs struct{ args []any }
+
+func (a *claimArgs) add(v any) string { a.args = append(a.args, v); return "$" + strconv.Itoa(len(a.args)) }
+
+// shardFilter is the condition restricting rows to the snapshot's shards ("" when it owns all).
+func (a *claimArgs) shardFilter(s snapshot, shards int) string {
+	if s.all {
+		return ""
+	}
+	return ` AND key_hash % ` + a.add(shards) + ` = ANY(` + a.add(s.shards) + `::int[])`
+}
+
+// budgeted wraps a CTE named batch (rows in id order with a size column) into the final
+// select: a header row (head = true) carrying the claim's bookkeeping (its row columns are
+// placeholders, so every row scans into the same targets), then the rows that fit the byte
+// budget (the first row always does).
+func budgeted(header string, budget string) string {
+	return `, sized AS (SELECT *, sum(size) OVER (ORDER BY id) AS run, row_number() OVER (ORDER BY id) AS rn FROM batch)
+	SELECT true AS head, ` + header + `, (SELECT count(*) FROM batch),
+		0::bigint, '', '', '', 0::bigint, ''::bytea, '{}'::jsonb, 'epoch'::timestamptz, 0, 0::bigint
+	UNION ALL
+	SELECT false, NULL, NULL, NULL, NULL, id, event_id::text, topic, partition_key, key_hash, payload, metadata, created_at, attempts, size
+	FROM sized WHERE run <= ` + budget + ` OR rn = 1`
+}
+
+// nextSQL builds the cursor claim: committed rows of the snapshot's shards above the cursor
+// (or above the lowest late commit below it), minus blocked chains, in id order, at most limit
+// rows and about budget bytes.
+func (q *queries) nextSQL(s snapshot, shards int, c cursor, b blockedSet, limit int, budget int64) (string, []any) {
+	a := &claimArgs{}
+	pos := a.add(c.pos)
+	var ref any // NULL: no reference snapshot yet, so no late commits to look for
+	if c.ref != "" {
+		ref = c.ref
+	}
+	refArg := a.add(ref)
+	shard := a.shardFilter(s, shards)
+	var sb strings.Builder
+	// late: rows at or below the cursor whose transaction the reference snapshot did not see.
+	// Two index probes on (tx, id): the transactions that started after it (a range bounded by
+	// the current snapshot, which cannot see later ones anyway) and those it listed as in
+	// progress, one lookup each. OFFSET 0 keeps the planner from turning min(id) into a walk of
+	// the primary key.
+	sb.WriteString(`WITH ref AS (SELECT ` + refArg + `::text::pg_snapshot AS s),
+	late AS (
+		SELECT id FROM ` + q.outbox + `, ref
+		WHERE tx >= pg_snapshot_xmax(ref.s) AND tx < pg_snapshot_xmax(pg_current_snapshot()) AND id <= ` + pos + shard + `
+		UNION ALL
+		SELECT l.id FROM ref, pg_snapshot_xip(ref.s) AS x(t),
+			LATERAL (SELECT id FROM ` + q.outbox + ` WHERE tx = x.t AND id <= ` + pos + shard + ` ORDER BY tx, id LIMIT 1) l
+		OFFSET 0),
+	low AS (SELECT LEAST(` + pos + `::bigint, (SELECT min(id) - 1 FROM late)) AS lo),
+	batch AS (
+		SELECT ` + rowColumns + `, ` + rowSize + ` AS size FROM ` + q.outbox + `
+		WHERE id > (SELECT lo FROM low)` + shard)
+	if len(b.keys) > 0 {
+		sb.WriteString(` AND partition_key <> ALL(` + a.add(b.keys) + `::text[])`)
+	}
+	if len(b.ids) > 0 {
+		sb.WriteString(` AND id <> ALL(` + a.add(b.ids) + `::bigint[])`)
+	}
+	sb.WriteString(` ORDER BY id LIMIT ` + a.add(limit) + `)`)
+	sb.WriteString(budgeted(`(SELECT lo FROM low), pg_current_snapshot()::text, `+q.seqLast, a.add(budget)))
+	return sb.String(), a.args
+}
+
+// retrySQL builds the retry claim: rows of the due chains from their lowest floor up to the
+// cursor, in id order (their rows above the cursor come through cursor claims once they are
+// no longer blocked).
+func (q *queries) retrySQL(s snapshot, shards int, c cursor, b blockedSet, limit int, budget int64) (string, []any) {
+	a := &claimArgs{}
+	var sb strings.Builder
+	sb.WriteString(`WITH batch AS (SELECT ` + rowColumns + `, ` + rowSize + ` AS size FROM ` + q.outbox + `
+		WHERE id >= ` + a.add(b.floor) + ` AND id <= ` + a.add(c.pos) + a.shardFilter(s, shards))
+	var or []string
+	if len(b.dueKeys) > 0 {
+		or = append(or, `partition_key = ANY(`+a.add(b.dueKeys)+`::text[])`)
+	}
+	if len(b.dueIDs) > 0 {
+		or = append(or, `id = ANY(`+a.add(b.dueIDs)+`::bigint[])`)
+	}
+	sb.WriteString(` AND (` + strings.Join(or, " OR ") + `) ORDER BY id LIMIT ` + a.add(limit) + `)`)
+	sb.WriteString(budgeted(`NULL::bigint, NULL::text, NULL::bigint`, a.add(budget)))
+	return sb.String(), a.args
+}
+
+// runClaim executes a claim query and decodes its header and rows.
+func (r *Relay) runClaim(ctx context.Context, kind claimKind, sql string, args []any, limit int) (*claimed, error) {
+	rows, err := r.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	c := &claimed{kind: kind, limit: limit, msgs: make([]*Message, 0, min(limit, 1024))}
+	sawHeader := false
+	for rows.Next() {
+		var (
+			head  bool
+			low   *int64
+			snap  *string
+			seq   *int64
+			taken *int64
+			id    *int64
+			m     = &Message{}
+			meta  []byte
+			size  *int64
+		)
+		if err := rows.Scan(&head, &low, &snap, &seq, &taken,
+			&id, &m.EventID, &m.Topic, &m.Key, &m.keyHash, &m.Payload, &meta, &m.CreatedAt, &m.Attempts, &size); err != nil {
+			return nil, err
+		}
+		if head {
+			sawHeader = true
+			if low != nil {
+				c.low = *low
+			}
+			if snap != nil {
+				c.snap = *snap
+			}
+			c.seq = seq
+			if taken != nil {
+				c.taken = int(*taken)
+			}
+			continue
+		}
+		m.ID = *id
+		m.blockKey = blockKeyOf(m.Key, m.ID)
+		if m.Metadata, err = parseMetadata(meta); err != nil {
+			// Not a JSON object of strings (the writer never stores that): refuse this row only.
+			m.Metadata = nil
+			m.badMetadata = fmt.Errorf("metadata of row %d is not a JSON object of strings: %w", m.ID, err)
+		}
+		if size != nil {
+			c.bytes += *size
+		}
+		c.msgs = append(c.msgs, m)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	if !sawHeader {
+		return nil, fmt.Errorf("claim returned no header row")
+	}
+	// UNION ALL keeps the order of its branches and the window's, but nothing promises it.
+	slices.SortFunc(c.msgs, func(a, b *Message) int { return compareInt64(a.ID, b.ID) })
+	return c, nil
+}
+
+func compareInt64(a, b int64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
