@@ -75,7 +75,10 @@ const (
 // claimArgs collects positional parameters.
 type claimArgs struct{ args []any }
 
-func (a *claimArgs) add(v any) string { a.args = append(a.args, v); return "$" + strconv.Itoa(len(a.args)) }
+func (a *claimArgs) add(v any) string {
+	a.args = append(a.args, v)
+	return "$" + strconv.Itoa(len(a.args))
+}
 
 // shardFilter is the condition restricting rows to the snapshot's shards ("" when it owns all).
 func (a *claimArgs) shardFilter(s snapshot, shards int) string {

@@ -40,7 +40,7 @@ const (
 	MinBusyPoll = 100 * time.Microsecond
 	// MinBatchBytes is the smallest byte budget accepted.
 	MinBatchBytes = 1 << 10
-	maxInstanceID   = 200
+	maxInstanceID = 200
 )
 
 // Config configures a Relay. Pool and Sink are required; every other field has a documented
