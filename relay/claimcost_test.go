@@ -1,0 +1,209 @@
+package relay
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"hash/fnv"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/onceflow/onceflow/internal/testdb"
+)
+
+// ackSink acknowledges every message except those of the refused keys, which it refuses as
+// undeliverable (and holds back the rest of their key). It records each call's bytes.
+type ackSink struct {
+	refuse map[string]bool
+	calls  []int // payload bytes per Publish call
+}
+
+func (s *ackSink) Publish(_ context.Context, msgs []*Message, errs []error) {
+	n := 0
+	for _, m := range msgs {
+		n += len(m.Payload)
+	}
+	s.calls = append(s.calls, n)
+	failed := map[string]bool{}
+	for i, m := range msgs {
+		switch {
+		case failed[m.Key]:
+			errs[i] = ErrHeldBack
+		case s.refuse[m.Key]:
+			failed[m.Key] = true
+			errs[i] = Undeliverable(errors.New("refused"))
+		}
+	}
+}
+
+func (*ackSink) Close() error { return nil }
+
+func fnv32(key string) int64 {
+	h := fnv.New32a()
+	h.Write([]byte(key))
+	return int64(h.Sum32())
+}
+
+// keysIn returns n keys whose shard (of 64) satisfies in.
+func keysIn(n int, in func(shard int) bool) (keys []string, hashes []int64) {
+	for i := 0; len(keys) < n; i++ {
+		k := "key-" + string(rune('a'+i%26)) + string(rune('a'+i/26%26)) + string(rune('a'+i/676%26))
+		if h := fnv32(k); in(int(h % 64)) {
+			keys, hashes = append(keys, k), append(hashes, h)
+		}
+	}
+	return keys, hashes
+}
+
+// claimBuffers is the number of shared buffers the claim query touches.
+func claimBuffers(t *testing.T, db *testdb.DB, sql string, args []any) int {
+	t.Helper()
+	var plan string
+	if err := db.Pool.QueryRow(context.Background(), "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+sql, args...).Scan(&plan); err != nil {
+		t.Fatal(err)
+	}
+	var out []struct {
+		Plan struct {
+			Hit  int `json:"Shared Hit Blocks"`
+			Read int `json:"Shared Read Blocks"`
+		}
+	}
+	if err := json.Unmarshal([]byte(plan), &out); err != nil || len(out) != 1 {
+		t.Fatalf("explain output %q: %v", plan, err)
+	}
+	return out[0].Plan.Hit + out[0].Plan.Read
+}
+
+// TestClaimCostIndependentOfBacklog drives the publishing loop by hand on an outbox where
+// 20,000 rows of another relay's shards and 5,000 rows of a blocked key lie ahead of 20,000
+// rows of this relay's shards. Once the relay has drained its rows, its claim touches a few
+// index pages: not the deleted rows, not the other shards' rows, not the blocked key's
+// backlog. A claim from the start of the table (what the relay did before the cursor) touches
+// all of them. Counted in buffers, so the test does not depend on the machine's speed.
+func TestClaimCostIndependentOfBacklog(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	r, err := New(Config{Pool: db.Pool, Sink: &ackSink{refuse: map[string]bool{"blocked": true}}, Schema: db.Schema,
+		Logger: slog.New(slog.DiscardHandler), InstanceID: "me", MaxAttempts: 1 << 20, RetryBackoff: time.Hour, MaxRetryBackoff: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.prepare(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Another live relay holds shards 0..31.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.relay_member (id, expires_at) VALUES ('other', now() + interval '1 hour');
+		UPDATE `+db.Schema+`.relay_lease SET owner = 'other', epoch = 1, expires_at = now() + interval '1 hour' WHERE shard < 32`); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.leases.tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(r.leases.owned); n != 32 {
+		t.Fatalf("relay owns %d shards, want 32", n)
+	}
+	insert := func(keys []string, hashes []int64, n int) {
+		t.Helper()
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.outbox (event_id, topic, partition_key, key_hash, payload)
+			SELECT gen_random_uuid(), 't', ($1::text[])[1 + i % $3], ($2::bigint[])[1 + i % $3], '\x00'::bytea FROM generate_series(0, $4 - 1) i`,
+			keys, hashes, len(keys), n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	theirs, theirHashes := keysIn(50, func(s int) bool { return s < 32 })
+	insert(theirs, theirHashes, 20_000)
+	if h := fnv32("blocked"); h%64 < 32 {
+		t.Fatalf("key \"blocked\" is in shard %d, not one of this relay's", h%64)
+	}
+	insert([]string{"blocked"}, []int64{fnv32("blocked")}, 5_000)
+	mine, myHashes := keysIn(50, func(s int) bool { return s >= 32 })
+	insert(mine, myHashes, 20_000)
+	if _, err := db.Pool.Exec(ctx, `ANALYZE `+db.Schema+`.outbox`); err != nil {
+		t.Fatal(err)
+	}
+
+	remaining := func() (n int) {
+		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Schema+`.outbox`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	for steps := 0; remaining() > 25_000; steps++ {
+		if steps > 200 {
+			t.Fatalf("not drained after %d steps: %d rows left", steps, remaining())
+		}
+		if err := r.leases.tick(ctx); err != nil { // keep the fence fresh
+			t.Fatal(err)
+		}
+		if out := r.step(ctx); out.next == noShards || out.next == backOff {
+			t.Fatalf("step %d: %+v", steps, out)
+		}
+	}
+	// One more claim: it finds nothing and moves the cursor to the end.
+	if out := r.step(ctx); out.rows != 0 {
+		t.Fatalf("claim after the drain returned %d rows", out.rows)
+	}
+
+	snap, _, done, ok := r.leases.begin(ctx)
+	if !ok {
+		t.Fatal("no shards")
+	}
+	done()
+	blocked := r.blocked.plan(time.Now())
+	if len(blocked.keys) != 1 {
+		t.Fatalf("blocked keys %v, want [blocked]", blocked.keys)
+	}
+	sql, args := r.q.nextSQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
+	cursorCost := claimBuffers(t, db, sql, args)
+	sql, args = r.q.nextSQL(snap, r.cfg.Shards, cursor{}, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
+	fromStart := claimBuffers(t, db, sql, args)
+	t.Logf("claim after the drain: %d buffers from the cursor, %d from the start of the table", cursorCost, fromStart)
+	if cursorCost > 40 || cursorCost*20 > fromStart {
+		t.Fatalf("claim from the cursor touches %d buffers (from the start: %d); want a few index pages", cursorCost, fromStart)
+	}
+}
+
+// TestByteBudget: a claim stops adding rows at Config.MaxBatchBytes, so a batch of large rows
+// holds a bounded number of them (a row larger than the budget still goes, alone), and every
+// row is still published.
+func TestByteBudget(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	sink := &ackSink{}
+	r, err := New(Config{Pool: db.Pool, Sink: sink, Schema: db.Schema, Logger: slog.New(slog.DiscardHandler), MaxBatchBytes: 100_000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.prepare(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.leases.tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// 50 rows of 30 kB, then one of 250 kB, then 10 more of 30 kB.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.outbox (event_id, topic, key_hash, payload)
+		SELECT gen_random_uuid(), 't', i, convert_to(repeat('x', CASE WHEN i = 50 THEN 250000 ELSE 30000 END), 'UTF8') FROM generate_series(0, 60) i`); err != nil {
+		t.Fatal(err)
+	}
+	for steps := 0; ; steps++ {
+		if steps > 100 {
+			t.Fatal("not drained after 100 steps")
+		}
+		if out := r.step(ctx); out.rows == 0 {
+			break
+		}
+	}
+	total := 0
+	for _, n := range sink.calls {
+		total += n
+		if n > 100_000 && n != 250_000 {
+			t.Fatalf("a batch carried %d payload bytes, over the 100,000 budget: %v", n, sink.calls)
+		}
+	}
+	if total != 60*30_000+250_000 {
+		t.Fatalf("published %d payload bytes in batches %v, want every row", total, sink.calls)
+	}
+}
