@@ -101,20 +101,24 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 	}
 	table := pgsql.Table(cfg.Schema, "processed_event")
 	// The age is measured on the database clock, the one that wrote processed_at, so clock
-	// skew between application hosts cannot delete rows early. SKIP LOCKED: a row locked by an
-	// in-flight inbox transaction is left for the next run instead of waited on.
-	where := `processed_at < now() - make_interval(secs => $1)`
+	// skew between application hosts cannot delete rows early. Each batch walks the
+	// processed_at index from where the previous one stopped ($1, see
+	// retention.DeleteInOrder), so batches cost the same from the first to the last, whatever
+	// shared_buffers and synchronize_seqscans are, and the last one stops at the end of the
+	// expired range. SKIP LOCKED: a row locked by an in-flight inbox transaction is left for
+	// the next run instead of waited on.
+	where := `processed_at >= coalesce($1::timestamptz, '-infinity') AND processed_at < now() - make_interval(secs => $2)`
 	args := []any{cfg.Window.Seconds()}
-	limit := "$2"
+	limit := "$3"
 	if cfg.Consumer != "" {
-		where += ` AND consumer = $2`
+		where += ` AND consumer = $3`
 		args = append(args, cfg.Consumer)
-		limit = "$3"
+		limit = "$4"
 	}
 	return &Cleaner{
 		cfg: cfg,
 		sql: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table +
-			` WHERE ` + where + ` LIMIT ` + limit + ` FOR UPDATE SKIP LOCKED))`,
+			` WHERE ` + where + ` ORDER BY processed_at LIMIT ` + limit + ` FOR UPDATE SKIP LOCKED)) RETURNING processed_at`,
 		args: args,
 	}, nil
 }
@@ -126,7 +130,7 @@ func (c *Cleaner) Config() CleanerConfig { return c.cfg }
 // statement, and returns how many it deleted. Each statement commits on its own; when ctx
 // ends between batches Clean stops and returns what it deleted so far with ctx's error.
 func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
-	n, err := engine.DeleteInBatches(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize, c.args...)
+	n, err := engine.DeleteInOrder(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize, c.args...)
 	if err != nil {
 		return n, fmt.Errorf("inbox: clean %s.processed_event (deleted %d rows before the error): %w", c.cfg.Schema, n, err)
 	}
