@@ -39,6 +39,8 @@ type result struct {
 	HigherIsBetter bool
 	// Target is the goal for this figure in words ("≥ 10× forwarder"), shown in the table.
 	Target string
+	// Versus, when set, is shown in the VS BASELINE column instead of the computed ratio.
+	Versus string
 }
 
 // env is the shared infrastructure every scenario runs on.
@@ -84,14 +86,23 @@ type scenario struct {
 // scenarios lists every benchmark in the order they run and print.
 var scenarios = []scenario{
 	{"outbox_write", benchOutboxWrite},
+	{"write_concurrent", benchWriteConcurrent},
 	{"drain", benchDrain},
+	{"drain_growth", benchDrainGrowth},
+	{"relay_skip", benchRelaySkip},
+	{"relay_rss", benchRelayRSS},
 	{"latency", benchLatency},
+	{"latency_load", benchLatencyLoad},
 	{"stall", benchStall},
 	{"inbox", benchInbox},
+	{"inbox_cleanup", benchInboxCleanup},
 	{"http", benchHTTP},
 }
 
 func main() {
+	if os.Getenv(relayChildEnv) != "" {
+		os.Exit(relayChild())
+	}
 	only := flag.String("only", "", "comma-separated scenario names to run (default: all)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -103,6 +114,7 @@ func main() {
 }
 
 func run(ctx context.Context, only string) error {
+	began := time.Now()
 	e := &env{log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 	e.pgURL = os.Getenv("DATABASE_URL")
 	if e.pgURL == "" {
@@ -131,13 +143,16 @@ func run(ctx context.Context, only string) error {
 			continue
 		}
 		fmt.Fprintf(os.Stderr, "running %s ...\n", s.name)
+		t0 := time.Now()
 		rs, err := s.run(ctx, e)
 		if err != nil {
 			return fmt.Errorf("scenario %s: %w", s.name, err)
 		}
+		fmt.Fprintf(os.Stderr, "  %s took %s\n", s.name, time.Since(t0).Round(100*time.Millisecond))
 		all = append(all, rs...)
 	}
 	printTable(all)
+	fmt.Printf("\ntotal %s\n", time.Since(began).Round(time.Second))
 	return nil
 }
 
@@ -152,7 +167,9 @@ func printTable(rs []result) {
 	fmt.Fprintln(tw, "SCENARIO\tSYSTEM\tVALUE\tUNIT\tVS BASELINE\tTARGET")
 	for _, r := range rs {
 		ratio := "-"
-		if r.System != "onceflow" {
+		if r.Versus != "" {
+			ratio = r.Versus
+		} else if r.System != "onceflow" {
 			ratio = "baseline"
 		} else if base, ok := baseline(rs, r.Scenario); ok && base.Value > 0 && r.Value > 0 {
 			if r.HigherIsBetter {

@@ -79,7 +79,7 @@ type Config struct {
 // outbox_wake function, which notifies if a relay sleeps); the others are a plain INSERT. A
 // relay that goes to sleep keeps polling tightly for longer than this, so writers that still
 // believe it awake are found without a notification.
-const WakeCheckInterval = 50 * time.Millisecond
+const WakeCheckInterval = 10 * time.Millisecond
 
 // NotifyChannel is the LISTEN/NOTIFY channel a write call signals on commit: the schema name
 // followed by "_outbox" ("onceflow_outbox" by default), cut to 63 bytes, the longest channel

@@ -6,6 +6,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // A claim reads the next rows to publish without locks, and costs the same whatever the
@@ -107,25 +109,24 @@ func budgeted(header string, budget string) string {
 func (q *queries) nextSQL(s snapshot, shards int, c cursor, b blockedSet, limit int, budget int64) (string, []any) {
 	a := &claimArgs{}
 	pos := a.add(c.pos)
-	var ref any // NULL: no reference snapshot yet, so no late commits to look for
+	// NULL without a reference snapshot yet: no late commits to look for.
+	var xmax, xip any
 	if c.ref != "" {
-		ref = c.ref
+		xmax, xip = splitSnapshot(c.ref)
 	}
-	refArg := a.add(ref)
+	xmaxArg, xipArg := a.add(xmax), a.add(xip)
 	shard := a.shardFilter(s, shards)
 	var sb strings.Builder
-	// late: rows at or below the cursor whose transaction the reference snapshot did not see.
-	// Two index probes on (tx, id): the transactions that started after it (a range bounded by
-	// the current snapshot, which cannot see later ones anyway) and those it listed as in
-	// progress, one lookup each. OFFSET 0 keeps the planner from turning min(id) into a walk of
-	// the primary key.
-	sb.WriteString(`WITH ref AS (SELECT ` + refArg + `::text::pg_snapshot AS s),
-	late AS (
-		SELECT id FROM ` + q.outbox + `, ref
-		WHERE tx >= pg_snapshot_xmax(ref.s) AND tx < pg_snapshot_xmax(pg_current_snapshot()) AND id <= ` + pos + shard + `
+	// late: rows at or below the cursor whose transaction the reference snapshot did not see,
+	// found through the (tx, id) index: the transactions that started after it (a range
+	// bounded by the current snapshot, which cannot see later ones anyway), and those it
+	// listed as in progress (one probe each). OFFSET 0 keeps the planner from turning min(id)
+	// into a walk of the primary key.
+	sb.WriteString(`WITH late AS (
+		SELECT id FROM ` + q.outbox + `
+		WHERE tx >= ` + xmaxArg + `::text::xid8 AND tx < pg_snapshot_xmax(pg_current_snapshot()) AND id <= ` + pos + shard + `
 		UNION ALL
-		SELECT l.id FROM ref, pg_snapshot_xip(ref.s) AS x(t),
-			LATERAL (SELECT id FROM ` + q.outbox + ` WHERE tx = x.t AND id <= ` + pos + shard + ` ORDER BY tx, id LIMIT 1) l
+		SELECT id FROM ` + q.outbox + ` WHERE tx = ANY(` + xipArg + `::text[]::xid8[]) AND id <= ` + pos + shard + `
 		OFFSET 0),
 	low AS (SELECT LEAST(` + pos + `::bigint, (SELECT min(id) - 1 FROM late)) AS lo),
 	batch AS (
@@ -140,6 +141,20 @@ func (q *queries) nextSQL(s snapshot, shards int, c cursor, b blockedSet, limit 
 	sb.WriteString(` ORDER BY id LIMIT ` + a.add(limit) + `)`)
 	sb.WriteString(budgeted(`(SELECT lo FROM low), pg_current_snapshot()::text, `+q.seqLast, a.add(budget)))
 	return sb.String(), a.args
+}
+
+// splitSnapshot returns the xmax and the in-progress list of a pg_snapshot in its text form
+// (xmin:xmax:xip,xip,...).
+func splitSnapshot(snap string) (xmax string, xip []string) {
+	parts := strings.SplitN(snap, ":", 3)
+	if len(parts) != 3 {
+		return "0", nil // not a snapshot: every transaction counts as started after it
+	}
+	xip = []string{}
+	if parts[2] != "" {
+		xip = strings.Split(parts[2], ",")
+	}
+	return parts[1], xip
 }
 
 // retrySQL builds the retry claim: rows of the due chains from their lowest floor up to the
@@ -162,9 +177,40 @@ func (q *queries) retrySQL(s snapshot, shards int, c cursor, b blockedSet, limit
 	return sb.String(), a.args
 }
 
-// runClaim executes a claim query and decodes its header and rows.
+// planSettings pins the claim's plan to ordered index scans. The claim's bounds come from
+// parameters and from its own CTEs, so a generic plan (which pgx's prepared statements get
+// after five executions) cannot know that it reads a few rows past the cursor: planned while
+// the outbox was small, it may scan and sort the whole table, and keep doing so, dead rows
+// included, as the backlog grows. An ordered index walk is right at every size.
+const planSettings = `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`
+
+// runClaim executes a claim query and decodes its header and rows. It runs in a read-only
+// transaction of its own, pipelined in one round trip, so the planner settings stay local.
 func (r *Relay) runClaim(ctx context.Context, kind claimKind, sql string, args []any, limit int) (*claimed, error) {
-	rows, err := r.pool.Query(ctx, sql, args...)
+	b := &pgx.Batch{}
+	b.Queue("BEGIN READ ONLY")
+	b.Queue(planSettings)
+	b.Queue(sql, args...)
+	b.Queue("COMMIT")
+	br := r.pool.SendBatch(ctx, b)
+	defer func() { _ = br.Close() }()
+	for range 2 {
+		if _, err := br.Exec(); err != nil {
+			return nil, err
+		}
+	}
+	c, err := scanClaim(br, kind, limit)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := br.Exec(); err != nil {
+		return nil, err
+	}
+	return c, br.Close()
+}
+
+func scanClaim(br pgx.BatchResults, kind claimKind, limit int) (*claimed, error) {
+	rows, err := br.Query()
 	if err != nil {
 		return nil, err
 	}

@@ -18,7 +18,7 @@ const (
 	DefaultBatchSize       = 1000
 	DefaultMaxBatchBytes   = 64 << 20
 	DefaultPollInterval    = time.Second
-	DefaultBusyPoll        = 2 * time.Millisecond
+	DefaultBusyPoll        = time.Millisecond
 	DefaultShards          = 64
 	DefaultLeaseDuration   = 8 * time.Second
 	DefaultMaxAttempts     = 10
@@ -77,8 +77,8 @@ type Config struct {
 	// BusyPollInterval is how often the relay claims while rows keep arriving and its last
 	// batch was not full (a full batch is followed by the next claim at once). It bounds the
 	// delay rows wait under load without any notification, and lets batches grow with the
-	// traffic instead of costing a claim, a produce and a delete per event. After 100ms without
-	// rows the relay goes to sleep (see PollInterval). Default 2ms.
+	// traffic instead of costing a claim, a produce and a delete per event. After 25ms without
+	// rows the relay goes to sleep (see PollInterval). Default 1ms.
 	BusyPollInterval time.Duration
 
 	// Shards is the number of virtual shards rows are spread over (key_hash % Shards). Each

@@ -15,7 +15,7 @@ import (
 // Sleep and wake-up timing (see Config.BusyPollInterval and docs/relay.md).
 const (
 	// idleAfter is how long without rows before the relay goes to sleep.
-	idleAfter = 100 * time.Millisecond
+	idleAfter = 25 * time.Millisecond
 	// sleepGrace is how long a relay that just went to sleep keeps polling tightly: writers
 	// trust a relay to be awake for up to outbox.WakeCheckInterval after they last looked, and
 	// do not notify meanwhile.
@@ -35,6 +35,12 @@ func (r *Relay) loop(ctx context.Context) {
 			}
 		}
 		out := r.step(ctx)
+		if out.rows > 0 {
+			r.lastRows, r.backoff = time.Now(), r.cfg.BusyPollInterval
+			if r.asleep {
+				r.setAwake(ctx)
+			}
+		}
 		var wait time.Duration
 		switch out.next {
 		case claimAgain:
@@ -80,11 +86,7 @@ func (r *Relay) idleWait(ctx context.Context, out stepOutcome) time.Duration {
 	now := time.Now()
 	wait := r.cfg.BusyPollInterval
 	switch {
-	case out.rows > 0:
-		r.lastRows, r.backoff = now, r.cfg.BusyPollInterval
-		if r.asleep {
-			r.setAwake(ctx)
-		}
+	case out.rows > 0: // rows keep coming: poll again soon
 	case now.Sub(r.lastRows) >= idleAfter:
 		if !r.asleep && r.listening.Load() {
 			r.setAsleep(ctx)

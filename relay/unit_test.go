@@ -2,6 +2,7 @@ package relay
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -102,24 +103,27 @@ func TestClaimSQL(t *testing.T) {
 	q := newQueries("s")
 	all := snapshot{shards: []int{0, 1}, all: true}
 	sql, args := q.nextSQL(all, 2, cursor{}, blockedSet{}, 100, 1<<20)
-	if strings.Contains(sql, "key_hash %") || len(args) != 4 || args[0] != int64(0) || args[1] != nil {
+	if strings.Contains(sql, "key_hash %") || len(args) != 5 || args[0] != int64(0) || args[1] != nil || args[2] != nil {
 		t.Fatalf("owning every shard needs no filter, a fresh cursor no reference snapshot: %s %v", sql, args)
 	}
 	some := snapshot{shards: []int{3, 5}}
-	sql, args = q.nextSQL(some, 8, cursor{pos: 42, ref: "10:12:11"}, blockedSet{keys: []string{"k"}, ids: []int64{7}}, 50, 1<<20)
+	sql, args = q.nextSQL(some, 8, cursor{pos: 42, ref: "10:12:10,11"}, blockedSet{keys: []string{"k"}, ids: []int64{7}}, 50, 1<<20)
 	for _, want := range []string{
-		`id > (SELECT lo FROM low) AND key_hash % $3 = ANY($4::int[]) AND partition_key <> ALL($5::text[]) AND id <> ALL($6::bigint[]) ORDER BY id LIMIT $7`,
-		`tx >= pg_snapshot_xmax(ref.s)`, `pg_snapshot_xip(ref.s)`, `run <= $8 OR rn = 1`,
+		`id > (SELECT lo FROM low) AND key_hash % $4 = ANY($5::int[]) AND partition_key <> ALL($6::text[]) AND id <> ALL($7::bigint[]) ORDER BY id LIMIT $8`,
+		`tx >= $2::text::xid8`, `tx = ANY($3::text[]::xid8[])`, `run <= $9 OR rn = 1`,
 	} {
 		if !strings.Contains(sql, want) {
 			t.Errorf("claim SQL lacks %q:\n%s", want, sql)
 		}
 	}
-	if len(args) != 8 || args[0] != int64(42) || args[1] != "10:12:11" || args[2] != 8 || args[6] != 50 {
+	if len(args) != 9 || args[0] != int64(42) || args[1] != "12" || fmt.Sprint(args[2]) != "[10 11]" || args[3] != 8 || args[7] != 50 {
 		t.Fatalf("claim args %v", args)
 	}
 	if strings.Contains(sql, "FOR UPDATE") || strings.Contains(sql, "xmin") {
 		t.Fatalf("the claim must read committed rows without locks or waits: %s", sql)
+	}
+	if xmax, xip := splitSnapshot("5:9:"); xmax != "9" || len(xip) != 0 || xip == nil {
+		t.Fatalf("splitSnapshot of an empty list = %q %v", xmax, xip)
 	}
 	sql, args = q.retrySQL(some, 8, cursor{pos: 42}, blockedSet{dueKeys: []string{"k"}, dueIDs: []int64{9}, floor: 5}, 50, 1<<20)
 	if want := `WHERE id >= $1 AND id <= $2 AND key_hash % $3 = ANY($4::int[]) AND (partition_key = ANY($5::text[]) OR id = ANY($6::bigint[])) ORDER BY id LIMIT $7`; !strings.Contains(sql, want) {

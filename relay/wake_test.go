@@ -126,7 +126,7 @@ func TestIdleCost(t *testing.T) {
 	rec := newRecorder()
 	startRelay(t, newRelayOnPool(t, pool, db, brokers, relay.Config{Metrics: rec, StatsInterval: -1}))
 	rec.waitFor(t, 30*time.Second, "shards owned", func(r *recorder) bool { return r.owned == 64 })
-	// After 100ms without rows (and 100ms more of tight polling) the relay goes to sleep.
+	// After 25ms without rows (and 20ms more of tight polling) the relay goes to sleep.
 	eventually(t, 30*time.Second, "the relay to sleep", func() bool { return asleep(t, db) })
 	// Past the grace period of tight polls after falling asleep and the few polls that follow
 	// (8, 32, 128, 512 ms): a steady state, not an event to await.
