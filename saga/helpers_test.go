@@ -39,8 +39,8 @@ type stepResult struct {
 var stepNames = []string{"reserve", "charge", "confirm"}
 
 // checkoutDef is reserve (compensated by release) → charge (refund) → confirm (cancel).
+// t may be nil (in a child process): an invalid definition panics then.
 func checkoutDef(t testing.TB, mod func(name string, s *saga.StepDef[Checkout]), opts ...saga.Option) *saga.Definition[Checkout] {
-	t.Helper()
 	var steps []*saga.StepDef[Checkout]
 	for _, name := range stepNames {
 		s := saga.Step[Checkout](name).
@@ -67,6 +67,9 @@ func checkoutDef(t testing.TB, mod func(name string, s *saga.StepDef[Checkout]),
 	}
 	def, err := saga.Define("checkout", 1, steps, opts...)
 	if err != nil {
+		if t == nil {
+			panic(err)
+		}
 		t.Fatal(err)
 	}
 	return def
