@@ -87,6 +87,7 @@ type world struct {
 
 	mu        sync.Mutex
 	fail      map[string]string // step -> business failure reason
+	failOrder map[string]string // order -> the step that fails for it ("declined")
 	transient map[string]int    // step -> transient failures left
 	compFail  map[string]int    // step -> failing compensations left
 	calls     map[string]int    // "step/phase" -> handler calls
@@ -102,7 +103,7 @@ func newWorld(t *testing.T, def *saga.Definition[Checkout], down ...string) *wor
 		t.Fatal(err)
 	}
 	w := &world{t: t, db: db, def: def, metrics: &saga.Counters{}, fail: map[string]string{}, transient: map[string]int{},
-		compFail: map[string]int{}, calls: map[string]int{}}
+		compFail: map[string]int{}, calls: map[string]int{}, failOrder: map[string]string{}}
 	w.orch = w.newOrchestrator()
 	w.bus = sagatest.NewBus(db.Pool, db.Schema)
 	w.bus.Orchestrate(w.orch)
@@ -150,6 +151,9 @@ func (w *world) action(name string) func(context.Context, pgx.Tx, stepCmd) (step
 		w.mu.Lock()
 		w.calls[name+"/action"]++
 		reason, failing := w.fail[name]
+		if w.failOrder[cmd.Order] == name {
+			reason, failing = "declined", true
+		}
 		transient := w.transient[name] > 0
 		if transient {
 			w.transient[name]--
