@@ -28,6 +28,7 @@ var commands = []command{
 	{"relay", "publish the outbox to Kafka (run one or more)", (*cli).runRelay},
 	{"outbox", "inspect pending rows, list parked rows, replay them (inspect|parked|replay)", (*cli).runOutbox},
 	{"cleanup", "delete expired dedup rows in bounded batches (once, or on a schedule)", (*cli).runCleanup},
+	{"saga", "list sagas, show one, resume a stuck one, compensate a running one (list|show|retry|compensate)", (*cli).runSaga},
 }
 
 func main() {
