@@ -15,6 +15,7 @@ import (
 	"github.com/onceflow/onceflow/inbox"
 	engine "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/retention"
+	"github.com/onceflow/onceflow/saga"
 )
 
 // cleaner is one table `onceflow cleanup` keeps bounded. Add a line to cleaners for another
@@ -37,6 +38,17 @@ type cleanupOptions struct {
 var cleaners = []cleaner{
 	{"processed_event", "inbox dedup rows older than --window", cleanProcessedEvents},
 	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Window)", cleanIdempotencyRecords},
+	{"saga", "sagas that finished (completed or compensated) longer than --window ago", cleanSagas},
+}
+
+func cleanSagas(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
+	c, err := saga.NewCleaner(saga.CleanerConfig{
+		Pool: pool, Schema: o.schema, Window: o.window, AllowShortWindow: o.allowShort, BatchSize: o.batchSize, Logger: o.logger,
+	})
+	if err != nil {
+		return 0, err
+	}
+	return c.Clean(ctx)
 }
 
 func cleanIdempotencyRecords(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
