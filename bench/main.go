@@ -89,6 +89,7 @@ var scenarios = []scenario{
 	{"stall", benchStall},
 	{"inbox", benchInbox},
 	{"http", benchHTTP},
+	{"saga", benchSaga},
 }
 
 func main() {
