@@ -35,7 +35,7 @@ func ExampleNew() {
 	createOrder := func(w http.ResponseWriter, r *http.Request) {
 		item, _ := io.ReadAll(r.Body)
 		var id int64
-		// idempotency.Tx is the request's transaction: the insert commits with the response.
+		// outbox.MustTx returns the request's transaction: the insert commits with the response.
 		err := outbox.MustTx(r.Context()).QueryRow(r.Context(),
 			`INSERT INTO orders (item) VALUES ($1) RETURNING id`, item).Scan(&id)
 		if err != nil {
