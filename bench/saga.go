@@ -102,7 +102,7 @@ func benchSaga(ctx context.Context, e *env) ([]result, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer sink.Close()
+	defer func() { _ = sink.Close() }()
 	r, err := relay.New(relay.Config{Pool: pool, Sink: sink, Schema: schema, Logger: e.log})
 	if err != nil {
 		return nil, err

@@ -65,7 +65,6 @@ type StepDef[D any] struct {
 	backoff    time.Duration
 	timeout    time.Duration
 	pivot      bool
-	problems   []error
 }
 
 // Step starts the definition of a step. name identifies it in the saga (and in dedup keys and

@@ -87,7 +87,7 @@ func TestEndToEndThroughKafka(t *testing.T) {
 				break
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("saga %s still %s at step %s (%s)", id, d.State, d.Summary.Step, statuses(d))
+				t.Fatalf("saga %s still %s at step %s (%s)", id, d.State, d.Step, statuses(d))
 			}
 			time.Sleep(20 * time.Millisecond)
 		}

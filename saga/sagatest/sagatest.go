@@ -75,10 +75,9 @@ func (b *Bus) Deliver(ctx context.Context) (int, error) {
 		return 0, err
 	}
 	type row struct {
-		id      int64
-		msg     *message.Message
-		topic   string
-		handled bool
+		id    int64
+		msg   *message.Message
+		topic string
 	}
 	pending, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (row, error) {
 		var x row
