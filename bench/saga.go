@@ -191,6 +191,7 @@ func benchSaga(ctx context.Context, e *env) ([]result, error) {
 	}
 
 	// Throughput: sagaBenchSagas started by concurrent writers, until all completed.
+	stopProfile := maybeProfile("saga-onceflow")
 	began := time.Now()
 	var next atomic.Int64
 	var wwg sync.WaitGroup
@@ -220,6 +221,7 @@ func benchSaga(ctx context.Context, e *env) ([]result, error) {
 		return nil, errors.Join(err, stop())
 	}
 	rate := float64(sagaBenchSagas) / time.Since(began).Seconds()
+	stopProfile()
 
 	// Latency: sagas started at a steady sagaLatencyRate; start → completed, on the database
 	// clock (the orchestrator measures it from the saga row's created_at).

@@ -211,24 +211,30 @@ func (o *Orchestrator) transition(ctx context.Context, id, key string, ev event)
 		return fmt.Errorf("saga: begin transaction: %w", err)
 	}
 	defer rollback(tx)
+	// One round trip: the reply's dedup claim and the saga row's lock. On a duplicate the lock
+	// was taken for nothing; the rollback releases it.
+	b := &pgx.Batch{}
+	claimed := true
 	if key != "" {
-		claimed, err := o.ib.ClaimTx(ctx, tx, key)
-		if err != nil {
+		if err := o.ib.QueueClaim(b, key, &claimed); err != nil {
 			return err
 		}
-		if !claimed[0] {
-			o.cfg.Logger.Debug("saga: duplicate reply skipped", "saga_id", id, "dedup_key", key)
-			return nil
-		}
 	}
-	in, now, err := o.st.load(ctx, tx, id, true)
+	var in *instance
+	var now time.Time
+	o.st.queueLock(b, id, &in, &now)
+	err = tx.SendBatch(ctx, b).Close()
+	if !claimed {
+		o.cfg.Logger.Debug("saga: duplicate reply skipped", "saga_id", id, "dedup_key", key)
+		return nil
+	}
 	if errors.Is(err, errNoSaga) {
 		o.cfg.Logger.Warn("saga: reply for an unknown saga acknowledged", "saga_id", id)
 		o.cfg.Metrics.Ignored("")
 		return commit(ctx, tx)
 	}
 	if err != nil {
-		return err
+		return fmt.Errorf("saga: claim the reply and lock saga %q: %w", id, err)
 	}
 	def, err := o.lookup(in.Name, in.Version)
 	if err != nil {

@@ -299,3 +299,54 @@ func TestTimeoutRetriesThenCompensatesUncertainStep(t *testing.T) {
 		t.Fatalf("late action ran (%d calls) or was not counted (%+v)", w.calls["charge/action"], w.metrics.Snapshot())
 	}
 }
+
+// The saga deadline: a saga still running when it is due compensates (the step in flight
+// included, as a no-op if it never ran); a saga that completes first leaves no timer behind.
+func TestSagaDeadline(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, checkoutDef(t, nil, saga.WithDeadline(300*time.Millisecond)), "charge")
+	id := w.start("o-late")
+	d := w.runUntil(id, saga.StateCompensated)
+	if !strings.Contains(d.Error, "deadline exceeded") || !d.Steps[1].Uncertain {
+		t.Fatalf("error %q, charge %+v", d.Error, d.Steps[1])
+	}
+	if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "reserve/compensation"}) {
+		t.Fatalf("effects %v", got)
+	}
+	w.subscribeAction("charge", nil)
+	id = w.start("o-fast")
+	if d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated); d.State != saga.StateCompleted || len(d.Timers) != 0 {
+		t.Fatalf("state %s, timers %v", d.State, d.Timers)
+	}
+}
+
+// A pivot is retried until it succeeds, past its attempts, and never compensated.
+func TestPivotRetriedUntilSuccess(t *testing.T) {
+	t.Parallel()
+	cmd := func(c Checkout) (any, error) { return stepCmd{Order: c.Order}, nil }
+	def := saga.MustDefine("checkout", 1, []*saga.StepDef[Checkout]{
+		saga.Step[Checkout]("reserve").Send("cmd.reserve", cmd).Compensate("undo.reserve", cmd),
+		saga.Step[Checkout]("charge").Send("cmd.charge", cmd).Attempts(2, time.Millisecond).Pivot(),
+		saga.Step[Checkout]("confirm").Send("cmd.confirm", cmd).Attempts(2, time.Millisecond),
+	})
+	w := newWorld(t, def)
+	w.transient["charge"] = 4
+	w.fail["confirm"] = "temporarily refused" // after the pivot a business failure is retried too
+	id := w.start("o-1")
+	if err := w.bus.RunUntil(context.Background(), func() bool { return w.get(id).Steps[2].Attempts >= 3 }); err != nil {
+		t.Fatal(err)
+	}
+	w.mu.Lock()
+	delete(w.fail, "confirm")
+	w.mu.Unlock()
+	d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
+	if d.State != saga.StateCompleted || d.Steps[1].Attempts != 5 {
+		t.Fatalf("state %s (%s), charge attempts %d; want completed after 5", d.State, d.Error, d.Steps[1].Attempts)
+	}
+	if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "charge/action", "confirm/action"}) {
+		t.Fatalf("effects %v", got)
+	}
+	if s := w.metrics.Snapshot(); s.Compensated != 0 || s.Completed != 1 {
+		t.Fatalf("metrics %+v", s)
+	}
+}

@@ -150,6 +150,9 @@ type effects struct {
 	cancelStep  bool               // delete the step timer
 	cancelAll   bool               // the saga ended: delete every timer
 	stale       string             // the event changed nothing; why (for logs and metrics)
+	// hadStepTimer and hadDeadline say whether those timers existed before the transition,
+	// so that cancelling a timer that is not there costs no statement.
+	hadStepTimer, hadDeadline bool
 	finished    State              // StateCompleted or StateCompensated when the saga ended now
 	becameStuck bool
 }
@@ -165,6 +168,15 @@ type machine struct {
 // apply runs one event. An error means the transition could not be computed (a corrupt row, a
 // definition that no longer matches it); the caller fails the message or timer and retries.
 func (m *machine) apply(ev event) error {
+	in := m.in
+	live := in.State == StateRunning || in.State == StateCompensating
+	m.fx.hadStepTimer = live && (in.Waiting == waitResend || (in.Waiting == waitReply && m.def.step(in.Step).timeout > 0))
+	m.fx.hadDeadline = in.State == StateRunning && m.def.deadline() > 0
+	if ev.timer != nil {
+		// The firing transaction deleted the timer already.
+		m.fx.hadStepTimer = m.fx.hadStepTimer && ev.timer.Kind != timerStep
+		m.fx.hadDeadline = m.fx.hadDeadline && ev.timer.Kind != timerDeadline
+	}
 	switch {
 	case ev.reply != nil:
 		return m.onReply(*ev.reply)

@@ -74,10 +74,24 @@ func (st store) load(ctx context.Context, q interface {
 	if lock {
 		sql = st.lock
 	}
+	return st.scan(q.QueryRow(ctx, sql, id), id)
+}
+
+// queueLock queues the locking read of a saga into b; after the batch ran, *in and *now hold
+// it (or load's error is returned by the batch).
+func (st store) queueLock(b *pgx.Batch, id string, in **instance, now *time.Time) {
+	b.Queue(st.lock, id).QueryRow(func(row pgx.Row) error {
+		var err error
+		*in, *now, err = st.scan(row, id)
+		return err
+	})
+}
+
+func (st store) scan(row pgx.Row, id string) (*instance, time.Time, error) {
 	var in instance
 	var steps []byte
 	var now time.Time
-	err := q.QueryRow(ctx, sql, id).Scan(&in.ID, &in.Name, &in.Version, &in.State, &in.Step, &in.Attempt, &in.Budget,
+	err := row.Scan(&in.ID, &in.Name, &in.Version, &in.State, &in.Step, &in.Attempt, &in.Budget,
 		&in.Waiting, &in.Data, &steps, &in.Error, &in.CreatedAt, &in.UpdatedAt, &now)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, now, errNoSaga
@@ -111,11 +125,13 @@ func (st store) saveTimersAndCommands(ctx context.Context, tx pgx.Tx, w *outbox.
 func (st store) send(ctx context.Context, tx pgx.Tx, b *pgx.Batch, w *outbox.Writer, in *instance, fx *effects, deadline *timer) error {
 	switch {
 	case fx.cancelAll:
-		b.Queue(st.delTimers, in.ID)
+		if fx.hadStepTimer || fx.hadDeadline {
+			b.Queue(st.delTimers, in.ID)
+		}
 	case fx.setStep != nil:
 		t := fx.setStep
 		b.Queue(st.setTimer, in.ID, t.Kind, t.Step, string(t.Phase), t.Attempt, t.Action, t.Due)
-	case fx.cancelStep:
+	case fx.cancelStep && fx.hadStepTimer:
 		b.Queue(st.delTimer, in.ID, timerStep)
 	}
 	if deadline != nil {
