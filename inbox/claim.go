@@ -117,3 +117,14 @@ func (ib *Inbox) QueueClaim(b *pgx.Batch, key string, claimed *bool) error {
 	})
 	return nil
 }
+
+// QueueSeen queues SeenTx's lookup of key into b; once the batch has run, *seen reports
+// whether the key is recorded. Like SeenTx it records nothing and does not wait for
+// uncommitted claims of other transactions.
+func (ib *Inbox) QueueSeen(b *pgx.Batch, key string, seen *bool) error {
+	if _, err := checkKey(key); err != nil {
+		return fmt.Errorf("inbox: consumer %q: %w", ib.cfg.Consumer, err)
+	}
+	b.Queue(ib.seenSQL, ib.cfg.Consumer, key).QueryRow(func(row pgx.Row) error { return row.Scan(seen) })
+	return nil
+}

@@ -225,3 +225,40 @@ func TestUnmigratedSchema(t *testing.T) {
 		t.Fatalf("CheckSchema after Up = %v", err)
 	}
 }
+
+// QueueClaim and QueueSeen pipeline the core's statements with the caller's own, with the
+// same answers as ClaimTx and SeenTx.
+func TestQueueClaimAndSeen(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, nil)
+	ctx := context.Background()
+	err := pgx.BeginFunc(ctx, f.db.Pool, func(tx pgx.Tx) error {
+		var first, second, seenBefore, seenAfter bool
+		b := &pgx.Batch{}
+		if err := f.ib.QueueSeen(b, "event:q", &seenBefore); err != nil {
+			return err
+		}
+		if err := f.ib.QueueClaim(b, "event:q", &first); err != nil {
+			return err
+		}
+		if err := f.ib.QueueClaim(b, "event:q", &second); err != nil {
+			return err
+		}
+		if err := f.ib.QueueSeen(b, "event:q", &seenAfter); err != nil {
+			return err
+		}
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return err
+		}
+		if seenBefore || !first || second || !seenAfter {
+			t.Errorf("seen before %v, first claim %v, second claim %v, seen after %v", seenBefore, first, second, seenAfter)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.ib.QueueClaim(&pgx.Batch{}, "", new(bool)); !errors.Is(err, inbox.ErrNoKey) {
+		t.Fatalf("empty key: %v", err)
+	}
+}

@@ -185,71 +185,67 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 		return fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
 	}
 	defer rollback(tx)
-	if claimed, err := p.ib.ClaimTx(ctx, tx, key); err != nil {
+	actionKey := barrierKey(ref.ID, ref.Step, outbox.SagaPhaseAction)
+	compKey := barrierKey(ref.ID, ref.Step, outbox.SagaPhaseCompensation)
+	// One round trip: the command's dedup claim, the savepoint that the handler's writes (and
+	// the barrier's claims) roll back to on Fail or Retry, and the barrier. The claims lock
+	// in one order (action key, then compensation key) in every transaction, so an action
+	// and its compensation wait for each other instead of deadlocking.
+	b := &pgx.Batch{}
+	var fresh, actionFree, compFree, compensated bool
+	if err := p.ib.QueueClaim(b, key, &fresh); err != nil {
 		return err
-	} else if !claimed[0] {
+	}
+	b.Queue(`SAVEPOINT onceflow_saga_step`)
+	if err := p.ib.QueueClaim(b, actionKey, &actionFree); err != nil {
+		return err
+	}
+	if phase == outbox.SagaPhaseAction {
+		// Read after the action key's claim, which waited for a concurrent compensation: if
+		// that committed, its key is visible here.
+		err = p.ib.QueueSeen(b, compKey, &compensated)
+	} else {
+		err = p.ib.QueueClaim(b, compKey, &compFree)
+	}
+	if err != nil {
+		return err
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("saga participant %q: claim %s: %w", p.cfg.Consumer, key, err)
+	}
+	if !fresh {
 		p.skip(ref, BarrierDuplicate, "the same command again")
 		return nil
 	}
-	sp, err := tx.Begin(ctx) // the handler's writes, undone alone on Fail or Retry
-	if err != nil {
-		return fmt.Errorf("saga participant %q: savepoint: %w", p.cfg.Consumer, err)
-	}
-	actionKey := barrierKey(ref.ID, ref.Step, outbox.SagaPhaseAction)
-	compKey := barrierKey(ref.ID, ref.Step, outbox.SagaPhaseCompensation)
 	var payload []byte
 	var runErr error
-	if phase == outbox.SagaPhaseAction {
-		claimed, err := p.ib.ClaimTx(ctx, sp, actionKey)
-		if err != nil {
-			return err
-		}
-		if !claimed[0] {
-			// An earlier attempt took effect, or the compensation ran first. The claim waited
-			// for a concurrent compensation, so SeenTx sees it if it committed.
-			compensated, err := p.ib.SeenTx(ctx, sp, compKey)
-			if err != nil {
-				return err
-			}
-			if compensated {
-				p.skip(ref, BarrierHangingAction, "the action arrived after its compensation")
-			} else {
-				p.skip(ref, BarrierDuplicate, "an earlier attempt took effect; its reply is on its way")
-			}
-			return commit(ctx, tx) // keep this attempt's dedup row
-		}
-		payload, runErr = p.runHandler(ctx, sp, run)
-	} else {
-		claimed, err := p.ib.ClaimTx(ctx, sp, actionKey, compKey)
-		if err != nil {
-			return err
-		}
-		switch {
-		case claimed[0]:
-			// The action never ran; its key is now taken, so it never will. Nothing to undo.
-			p.skip(ref, BarrierNullCompensation, "the action never ran")
-			payload = []byte("{}")
-		case !claimed[1]:
-			p.skip(ref, BarrierDuplicate, "an earlier attempt compensated; its reply is on its way")
-			return commit(ctx, tx)
-		default:
-			payload, runErr = p.runHandler(ctx, sp, run)
-		}
+	switch {
+	case phase == outbox.SagaPhaseAction && !actionFree && compensated:
+		p.skip(ref, BarrierHangingAction, "the action arrived after its compensation")
+		return commit(ctx, tx) // keep this attempt's dedup row
+	case phase == outbox.SagaPhaseAction && !actionFree:
+		p.skip(ref, BarrierDuplicate, "an earlier attempt took effect; its reply is on its way")
+		return commit(ctx, tx)
+	case phase == outbox.SagaPhaseCompensation && actionFree:
+		// The action never ran; its key is now taken, so it never will. Nothing to undo.
+		p.skip(ref, BarrierNullCompensation, "the action never ran")
+		payload = []byte("{}")
+	case phase == outbox.SagaPhaseCompensation && !compFree:
+		p.skip(ref, BarrierDuplicate, "an earlier attempt compensated; its reply is on its way")
+		return commit(ctx, tx)
+	default:
+		payload, runErr = p.runHandler(ctx, tx, run)
 	}
 	outcome, reason := outbox.SagaOutcomeDone, ""
 	var oe *outcomeError
 	switch {
 	case errors.As(runErr, &oe):
 		outcome, reason, payload = oe.outcome, oe.reason, []byte("{}")
-		if err := sp.Rollback(ctx); err != nil {
+		if _, err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_step`); err != nil {
 			return fmt.Errorf("saga participant %q: roll back the handler's writes: %w", p.cfg.Consumer, err)
 		}
 	case runErr != nil:
 		return runErr // everything rolls back; the command is redelivered
-	default:
-		if err := sp.Commit(ctx); err != nil {
-			return fmt.Errorf("saga participant %q: release savepoint: %w", p.cfg.Consumer, err)
-		}
 	}
 	reply := outbox.SetPartitionKey(outbox.NewMessage(payload), ref.ID)
 	outbox.SetSaga(reply, ref)
@@ -264,9 +260,9 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 	return commit(ctx, tx)
 }
 
-// runHandler runs the handler on a view of sp that it cannot end.
-func (p *Participant) runHandler(ctx context.Context, sp pgx.Tx, run func(context.Context, pgx.Tx) ([]byte, error)) ([]byte, error) {
-	view, closeView := pgsql.ManagedTx(sp, errTxManaged)
+// runHandler runs the handler on a view of tx that it cannot end.
+func (p *Participant) runHandler(ctx context.Context, tx pgx.Tx, run func(context.Context, pgx.Tx) ([]byte, error)) ([]byte, error) {
+	view, closeView := pgsql.ManagedTx(tx, errTxManaged)
 	defer closeView()
 	return run(ctx, view)
 }
