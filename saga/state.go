@@ -227,7 +227,7 @@ func (m *machine) onReply(r replyEvent) error {
 		case outbox.SagaOutcomeRetry:
 			return m.retryOrGiveUp(idx, "retry: "+r.Reason)
 		}
-		return fmt.Errorf("saga: reply with unknown outcome %q", r.Outcome)
+		return m.stale(fmt.Sprintf("reply with unknown outcome %q", r.Outcome)) // retrying cannot fix it
 	}
 	switch r.Outcome {
 	case outbox.SagaOutcomeDone:
@@ -235,7 +235,7 @@ func (m *machine) onReply(r replyEvent) error {
 	case outbox.SagaOutcomeFailed, outbox.SagaOutcomeRetry:
 		return m.retryOrGiveUp(idx, r.Outcome+": "+r.Reason)
 	}
-	return fmt.Errorf("saga: reply with unknown outcome %q", r.Outcome)
+	return m.stale(fmt.Sprintf("reply with unknown outcome %q", r.Outcome))
 }
 
 func (m *machine) onTimer(t timer) error {
