@@ -159,6 +159,10 @@ const (
 	OutcomeRejected    Outcome = "rejected"     // malformed key, missing key, body too large, no owner
 	OutcomeStorageFail Outcome = "storage_error"
 	OutcomePanic       Outcome = "panic" // handler panicked: rolled back, panic propagated
+	// OutcomeTxMisuse: the handler tried to end its transaction with SQL (COMMIT, ROLLBACK, ...),
+	// ended it around the managed view, or answered a stored status with the transaction
+	// aborted by a failed statement: rolled back, nothing stored, 500.
+	OutcomeTxMisuse Outcome = "tx_misuse"
 )
 
 // Metrics receives one observation per keyed request. Implementations must be safe for

@@ -220,10 +220,10 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		return
 	}
 	// The handler's view of tx cannot end it, and is closed once the handler is done.
-	htx, closeView := pgsql.ManagedTx(tx, errTxManaged)
+	htx, viewDone := pgsql.ManagedTx(tx, errTxManaged)
 	ended := false
 	rollback := func() {
-		closeView()
+		_ = viewDone() // closes the view; what it reports matters only after the handler ran
 		if ended {
 			return
 		}
@@ -267,10 +267,20 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	}()
 	next.ServeHTTP(bw, r.WithContext(hctx))
 	returned = true
-	closeView() // the handler is done with the transaction, whatever it kept a reference to
+	// The handler is done with the transaction, whatever it kept a reference to. Did it leave
+	// the transaction to us? A refused COMMIT (or ROLLBACK, END, ...), a transaction ended
+	// around the view, or — when its status is one we would store — an aborted transaction
+	// all fail the request: nothing is stored and its writes roll back.
+	viewErr := viewDone()
 	bw.finish()
+	store := m.cfg.Store(bw.status)
+	if viewErr != nil && (store || !errors.Is(viewErr, pgsql.ErrTxAborted)) {
+		rollback()
+		m.txMisuse(w, r, start, viewErr)
+		return
+	}
 
-	if !m.cfg.Store(bw.status) {
+	if !store {
 		rollback()
 		m.observe(OutcomeNotStored, start)
 		m.send(w, bw.status, bw.header, bw.body.Bytes(), true)
@@ -442,6 +452,16 @@ func (m *Middleware) storageFailure(w http.ResponseWriter, start time.Time, step
 	w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
 	m.writeProblem(w, http.StatusServiceUnavailable, ProblemStorage, "Idempotency storage unavailable",
 		"The request could not be completed safely and nothing was kept. Retry the same request with the same key.", nil)
+}
+
+// txMisuse answers a request whose handler did not leave its transaction for the middleware
+// to commit (see pgsql.ManagedTx); the transaction is already rolled back.
+func (m *Middleware) txMisuse(w http.ResponseWriter, r *http.Request, start time.Time, err error) {
+	m.observe(OutcomeTxMisuse, start)
+	m.cfg.Logger.Error("idempotency: the handler did not leave its transaction to the middleware; nothing stored, the request fails with 500",
+		"method", r.Method, "path", r.URL.Path, "err", err)
+	m.writeProblem(w, http.StatusInternalServerError, "", "Internal Server Error",
+		"The request failed on the server and nothing was stored for this Idempotency-Key.", nil)
 }
 
 func (m *Middleware) observe(o Outcome, start time.Time) {

@@ -219,13 +219,22 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 
 	// The handler gets a view of tx that cannot end it: a handler that committed would commit
 	// the dedup row without the messages it returns, whose redelivery is then skipped.
-	view, closeView := pgsql.ManagedTx(tx, ib.errManaged)
+	view, viewDone := pgsql.ManagedTx(tx, ib.errManaged)
 	msg.SetContext(outbox.ContextWithTx(orig, view))
 	produced, err := h(msg)
-	closeView() // whatever the handler kept a reference to
+	// Closes the view, whatever the handler kept a reference to, and says whether the handler
+	// tried to end the transaction with SQL (refused), ended it around the view, or left it
+	// aborted: then the attempt fails and nothing more is written.
+	viewErr := viewDone()
 	if err != nil {
 		// Returned unwrapped so errors.Is/As and poison-queue reasons see the handler's error.
 		return nil, err
+	}
+	if viewErr != nil {
+		if errors.Is(viewErr, outbox.ErrTxManaged) {
+			ib.cfg.Logger.Error("inbox: the handler tried to end its transaction; the message fails", "message_uuid", msg.UUID, "err", viewErr)
+		}
+		return nil, fmt.Errorf("inbox: consumer %q, message %q: %w", ib.cfg.Consumer, msg.UUID, viewErr)
 	}
 	if len(produced) > 0 {
 		if err := ib.writeProduced(orig, tx, produced); err != nil {
