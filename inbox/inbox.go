@@ -61,6 +61,9 @@ const MaxConsumerBytes = 200
 // cancelled or timed-out message still releases its connection cleanly.
 const rollbackTimeout = 10 * time.Second
 
+// DefaultCommitTimeout is the default Config.CommitTimeout.
+const DefaultCommitTimeout = 30 * time.Second
+
 // Config configures an Inbox. Pool and Consumer are required; every other field has a default.
 type Config struct {
 	// Pool opens one transaction per message. Required. Size it for the number of messages
@@ -86,6 +89,13 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics counts processed, duplicate, failed and keyless messages. Default NopMetrics{}.
 	Metrics Metrics
+	// CommitTimeout bounds what follows a successful handler: writing the messages it returned
+	// and the commit. Both run on a context detached from the message's cancellation (and
+	// deadline), because watermill-kafka cancels the message's context when the subscriber
+	// closes or the partition is revoked, and middleware.Timeout when its time is up: work
+	// that succeeded should commit, not be thrown away and redone after the redelivery.
+	// Default DefaultCommitTimeout (30 s); negative is refused.
+	CommitTimeout time.Duration
 }
 
 // Inbox is the deduplicating middleware of one consumer. It is safe for concurrent use; the
@@ -110,6 +120,11 @@ func New(cfg Config) (*Inbox, error) {
 	}
 	if err := validateConsumer(cfg.Consumer); err != nil {
 		problems = append(problems, err)
+	}
+	if cfg.CommitTimeout < 0 {
+		problems = append(problems, fmt.Errorf("CommitTimeout is %s; use 0 for the default (%s) or a positive bound", cfg.CommitTimeout, DefaultCommitTimeout))
+	} else if cfg.CommitTimeout == 0 {
+		cfg.CommitTimeout = DefaultCommitTimeout
 	}
 	if cfg.NoKeyPolicy != RejectNoKey && cfg.NoKeyPolicy != DropNoKey {
 		problems = append(problems, fmt.Errorf("NoKeyPolicy is %v; use inbox.RejectNoKey (default) or inbox.DropNoKey", cfg.NoKeyPolicy))
@@ -236,12 +251,16 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 		}
 		return nil, fmt.Errorf("inbox: consumer %q, message %q: %w", ib.cfg.Consumer, msg.UUID, viewErr)
 	}
+	// The handler succeeded: from here on the message's cancellation no longer applies (see
+	// Config.CommitTimeout). Its values (trace context, the publish topic) still do.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(orig), ib.cfg.CommitTimeout)
+	defer cancel()
 	if len(produced) > 0 {
-		if err := ib.writeProduced(orig, tx, produced); err != nil {
+		if err := ib.writeProduced(cctx, tx, produced); err != nil {
 			return nil, err
 		}
 	}
-	if err := tx.Commit(orig); err != nil {
+	if err := tx.Commit(cctx); err != nil {
 		// The outcome of a failed COMMIT can be unknown (connection lost after sending it).
 		// Failing the message is safe either way: if it did commit, the redelivery finds the
 		// dedup row and is skipped.
