@@ -175,7 +175,7 @@ func (s *sqlScanner) skipStatement() bool {
 		case c == '$' && s.dollarQuote():
 		case isWordStart(c):
 			w := strings.ToUpper(s.word())
-			if (w == "E") && s.peek(0) == '\'' {
+			if w == "E" && s.peek(0) == '\'' {
 				s.skipString(true)
 				break
 			}
