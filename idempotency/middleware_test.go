@@ -321,35 +321,6 @@ func TestInFlightGets409WithRetryAfter(t *testing.T) {
 	}
 }
 
-// waitForLockWaiters polls pg_locks until n transactions wait for the key's advisory lock.
-func waitForLockWaiters(t *testing.T, f *fixture, owner, key string, n int) {
-	t.Helper()
-	id := uint64(idempotency.LockID(f.db.Schema, owner, key))
-	// A connection of its own: the waiters may hold every connection of the test's pool.
-	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, f.db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		var got int
-		err := conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND classid = $1 AND objid = $2 AND objsubid = 1`,
-			int64(id>>32), int64(id&0xffffffff)).Scan(&got)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got >= n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("only %d of %d requests are waiting for the key's lock", got, n)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func TestWaitInFlightThenReplay(t *testing.T) {
 	t.Parallel()
 	started, release := make(chan struct{}, 1), make(chan struct{})
@@ -373,7 +344,7 @@ func TestWaitInFlightThenReplay(t *testing.T) {
 		}
 		results <- r
 	}()
-	waitForLockWaiters(t, f, "alice", "k", 1)
+	waitForWaiters(t, f.mw, 1)
 	once.Do(func() { close(release) })
 	a, b := <-results, <-results
 	if a.replayed() == b.replayed() || a.status != http.StatusCreated || b.status != http.StatusCreated || !bytes.Equal(a.body, b.body) {
@@ -467,7 +438,7 @@ func TestConcurrentIdenticalRequestsRunOnce(t *testing.T) {
 					time.Sleep(5 * time.Millisecond)
 				}
 			} else {
-				waitForLockWaiters(t, f, "alice", "same", 1)
+				waitForWaiters(t, f.mw, 1)
 			}
 			once.Do(func() { close(release) })
 			wg.Wait()

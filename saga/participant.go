@@ -260,11 +260,16 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 	return commit(ctx, tx)
 }
 
-// runHandler runs the handler on a view of tx that it cannot end.
+// runHandler runs the handler on a view of tx that it cannot end. A handler that tried to end
+// it (COMMIT in SQL) or left it aborted fails the command, whatever it returned: its writes
+// cannot be trusted to be whole.
 func (p *Participant) runHandler(ctx context.Context, tx pgx.Tx, run func(context.Context, pgx.Tx) ([]byte, error)) ([]byte, error) {
-	view, closeView := pgsql.ManagedTx(tx, errTxManaged)
-	defer closeView()
-	return run(ctx, view)
+	view, done := pgsql.ManagedTx(tx, errTxManaged)
+	payload, err := run(ctx, view)
+	if misuse := done(); misuse != nil {
+		return nil, fmt.Errorf("saga participant %q: %w", p.cfg.Consumer, misuse)
+	}
+	return payload, err
 }
 
 func (p *Participant) skip(ref outbox.SagaRef, o BarrierOutcome, why string) {

@@ -74,7 +74,7 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 	var list strings.Builder
 	for i, c := range cleaners {
 		names[i] = c.name
-		fmt.Fprintf(&list, "\n  %-16s %s", c.name, c.summary)
+		fmt.Fprintf(&list, "\n  %-18s %s", c.name, c.summary)
 	}
 	fs := c.newFlagSet("cleanup", "cleanup [flags]\n\n"+
 		"Deletes expired rows in batches that skip locked rows, so writers are never blocked.\n"+
@@ -143,7 +143,7 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 		return err
 	}
 
-	pool, err := db.connect(ctx, "onceflow-cleanup")
+	pool, err := db.connectMigrated(ctx, "onceflow-cleanup")
 	if err != nil {
 		return err
 	}
