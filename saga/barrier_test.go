@@ -2,6 +2,7 @@ package saga_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -144,5 +145,39 @@ func TestBarrierConcurrentActionAndCompensation(t *testing.T) {
 		if fx != "" && fx != "reserve/action reserve/compensation" {
 			t.Fatalf("saga %s: effects %q; want none, or the action then its compensation", id, fx)
 		}
+	}
+}
+
+// A participant's handler that ends its transaction with SQL fails the command and keeps
+// nothing: no effect, no dedup row, no barrier row, no reply; the redelivery runs again.
+func TestParticipantHandlerCannotCommit(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, checkoutDef(t, nil))
+	p := w.participant("reserve")
+	commitFirst := true
+	h := saga.Action(p, func(ctx context.Context, tx pgx.Tx, cmd stepCmd) (stepResult, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+w.db.Schema+`.effect (saga, step, phase) VALUES ($1, 'reserve', 'action')`, cmd.Order); err != nil {
+			return stepResult{}, err
+		}
+		if commitFirst {
+			_, _ = tx.Exec(ctx, `COMMIT`) // refused; the handler ignores the error
+		}
+		return stepResult{ID: "r"}, nil
+	})
+	if err := h(command("s1", outbox.SagaPhaseAction, 1)); !errors.Is(err, outbox.ErrTxManaged) {
+		t.Fatalf("err = %v, want ErrTxManaged", err)
+	}
+	if fx := w.effects("s1"); len(fx) != 0 {
+		t.Fatalf("effects %v kept", fx)
+	}
+	if n := w.count(`SELECT count(*) FROM ` + w.db.Schema + `.processed_event`); n != 0 {
+		t.Fatalf("%d dedup or barrier rows kept", n)
+	}
+	commitFirst = false
+	if err := h(command("s1", outbox.SagaPhaseAction, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if fx := w.effects("s1"); len(fx) != 1 {
+		t.Fatalf("effects %v after the redelivery", fx)
 	}
 }
