@@ -102,6 +102,48 @@ func TestDuplicatesChangeNothing(t *testing.T) {
 	}
 }
 
+// Every command and reply delivered twice, at the same time, to two orchestrator instances
+// and two instances of each participant: each effect once, and the end state of a run
+// without duplicates.
+func TestConcurrentDuplicatesToTwoOrchestrators(t *testing.T) {
+	t.Parallel()
+	for _, failAt := range []string{"", "confirm"} {
+		t.Run("fail="+failAt, func(t *testing.T) {
+			t.Parallel()
+			w := newWorld(t, checkoutDef(t, nil))
+			second := w.newOrchestrator() // its own instance, on its own pool
+			w.bus.Orchestrate(second)
+			for _, name := range stepNames { // a second instance of every participant
+				p := w.participant(name)
+				w.bus.Subscribe("cmd."+name, saga.Action(p, w.action(name)))
+				w.bus.Subscribe("undo."+name, saga.Compensation(p, w.compensation(name)))
+			}
+			w.bus.DeliverTwice, w.bus.Concurrent = true, true
+			var ids []string
+			for i := range 5 {
+				order := fmt.Sprintf("o-%d", i)
+				if failAt != "" {
+					w.failOrder[order] = failAt
+				}
+				ids = append(ids, w.start(order))
+			}
+			want, state := []string{"reserve/action", "charge/action", "confirm/action"}, saga.StateCompleted
+			if failAt != "" {
+				want, state = []string{"reserve/action", "charge/action", "charge/compensation", "reserve/compensation"}, saga.StateCompensated
+			}
+			for _, id := range ids {
+				d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
+				if d.State != state || !slices.Equal(w.effects(id), want) {
+					t.Fatalf("saga %s: %s with effects %v, want %s with %v", id, d.State, w.effects(id), state, want)
+				}
+			}
+			if s := w.metrics.Snapshot(); s.Duplicates == 0 {
+				t.Fatalf("metrics %+v: no duplicate reached a barrier", s)
+			}
+		})
+	}
+}
+
 // A step that fails transiently twice and then succeeds: attempts 2 and 3 are sent (and run:
 // a deliberate re-send is not swallowed as a duplicate), the saga completes, and the failed
 // attempts' writes are rolled back.

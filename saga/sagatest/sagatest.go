@@ -17,6 +17,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -36,6 +37,11 @@ type Bus struct {
 	// DeliverTwice hands every message to its handlers twice (two copies with the same UUID
 	// and metadata), like a broker redelivering it.
 	DeliverTwice bool
+	// Concurrent hands the copies of a message (every handler of its topic, twice with
+	// DeliverTwice) over at the same time, each in its own goroutine, like a rebalance that
+	// gives one message to two consumers — subscribe two orchestrators or two participant
+	// instances to a topic to race them.
+	Concurrent bool
 	// Delivered counts the messages handed to handlers (copies included).
 	Delivered int
 }
@@ -106,15 +112,17 @@ func (b *Bus) Deliver(ctx context.Context) (int, error) {
 		if b.DeliverTwice {
 			copies = 2
 		}
+		var deliveries []func() error
 		for _, h := range hs {
 			for range copies {
 				m := r.msg.Copy()
 				m.SetContext(ctx)
-				b.Delivered++
-				if err := h(m); err != nil {
-					return n, fmt.Errorf("sagatest: handler of %q failed on message %s: %w", r.topic, r.msg.UUID, err)
-				}
+				deliveries = append(deliveries, func() error { return h(m) })
 			}
+		}
+		b.Delivered += len(deliveries)
+		if err := b.run(deliveries); err != nil {
+			return n, fmt.Errorf("sagatest: handler of %q failed on message %s: %w", r.topic, r.msg.UUID, err)
 		}
 		if _, err := b.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = $1`, r.id); err != nil {
 			return n, err
@@ -122,6 +130,26 @@ func (b *Bus) Deliver(ctx context.Context) (int, error) {
 		n++
 	}
 	return n, nil
+}
+
+// run calls the deliveries one after the other, or all at once when Concurrent is set.
+func (b *Bus) run(deliveries []func() error) error {
+	if !b.Concurrent {
+		for _, d := range deliveries {
+			if err := d(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	errs := make([]error, len(deliveries))
+	var wg sync.WaitGroup
+	for i, d := range deliveries {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = d() }()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 // ErrTimeout is returned by RunUntil when done did not become true in time.
