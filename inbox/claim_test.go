@@ -158,7 +158,7 @@ func TestClaimTxConcurrentOverlap(t *testing.T) {
 	a := []string{"event:1", "event:2", "event:3", "event:4"}
 	b := []string{"event:4", "event:3", "event:2", "event:5"} // reverse order on purpose
 	for round := 0; round < 20; round++ {
-		if _, err := f.db.Pool.Exec(ctx, `DELETE FROM processed_event`); err != nil {
+		if _, err := f.db.Pool.Exec(ctx, `DELETE FROM `+f.db.Table("processed_event")); err != nil {
 			t.Fatal(err)
 		}
 		results := make(chan map[string]bool, 2)
