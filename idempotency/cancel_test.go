@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/internal/testdb"
 )
 
 // outcomeChan reports every outcome the middleware observes.
@@ -25,8 +26,8 @@ func TestClientGoneAfterHandlerFinishedStillStores(t *testing.T) {
 	outcomes := make(outcomeChan, 8)
 	wrote := make(chan struct{})
 	var hungUp atomic.Bool
-	f := newFixture(t, idempotency.Config{Metrics: outcomes}, func(runs *atomic.Int64) http.Handler {
-		inner := orderHandler(runs)
+	f := newFixture(t, idempotency.Config{Metrics: outcomes}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
+		inner := orderHandler(db.Table("orders"), runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			inner(w, r) // the order is written (not yet committed) and the response buffered
 			if !hungUp.Load() {

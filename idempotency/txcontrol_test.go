@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -82,8 +83,8 @@ func sendVia(ctx context.Context, tx pgx.Tx, via, sql string) error {
 // endingHandler inserts an order, on the first run of a key sends the statement of the
 // request's X-Case (ignoring the error, as a careless handler would), inserts a second order
 // and answers 201, which is stored.
-func endingHandler(t *testing.T, cases []struct{ name, via, sql string }, runsPerKey map[string]int, mu *sync.Mutex) func(*atomic.Int64) http.Handler {
-	return func(runs *atomic.Int64) http.Handler {
+func endingHandler(t *testing.T, cases []struct{ name, via, sql string }, runsPerKey map[string]int, mu *sync.Mutex) func(*testdb.DB, *atomic.Int64) http.Handler {
+	return func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			ctx := r.Context()
@@ -94,7 +95,7 @@ func endingHandler(t *testing.T, cases []struct{ name, via, sql string }, runsPe
 			mu.Unlock()
 			tx := outbox.MustTx(ctx)
 			insert := func(item string) {
-				if _, err := tx.Exec(ctx, `INSERT INTO orders (owner, item) VALUES ($1, $2)`, key, item); err != nil {
+				if _, err := tx.Exec(ctx, `INSERT INTO `+db.Table("orders")+` (owner, item) VALUES ($1, $2)`, key, item); err != nil {
 					t.Errorf("%s: insert %s: %v", key, item, err)
 				}
 			}
@@ -124,9 +125,11 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 	var mu sync.Mutex
 	runsPerKey := map[string]int{}
 	f := newFixture(t, idempotency.Config{}, endingHandler(t, endingStatements, runsPerKey, &mu))
-	ordersOf := func(key string) int { return f.count(t, `SELECT count(*) FROM orders WHERE owner = $1`, key) }
+	ordersOf := func(key string) int {
+		return f.count(t, `SELECT count(*) FROM `+f.db.Table("orders")+` WHERE owner = $1`, key)
+	}
 	recordsOf := func(key string) int {
-		return f.count(t, `SELECT count(*) FROM idempotency_record WHERE idem_key = $1`, key)
+		return f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record")+` WHERE idem_key = $1`, key)
 	}
 	for i, c := range endingStatements {
 		key := fmt.Sprintf("case-%d", i)
@@ -165,15 +168,15 @@ func TestHandlerEndingTheTransactionAroundTheView(t *testing.T) {
 			ordersAfterFailure, ordersAtEnd = 1, 3
 		}
 		r := f.send(t, "POST", "/orders", "alice", key, "book", "X-Case", strconv.Itoa(i))
-		orders := f.count(t, `SELECT count(*) FROM orders WHERE owner = $1`, key)
-		if r.status != http.StatusInternalServerError || orders != ordersAfterFailure || f.count(t, `SELECT count(*) FROM idempotency_record WHERE idem_key = $1`, key) != 0 {
+		orders := f.count(t, `SELECT count(*) FROM `+f.db.Table("orders")+` WHERE owner = $1`, key)
+		if r.status != http.StatusInternalServerError || orders != ordersAfterFailure || f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record")+` WHERE idem_key = $1`, key) != 0 {
 			t.Errorf("%s on the connection: %d %s, %d orders; want 500, %d orders, no record", c.name, r.status, r.body, orders, ordersAfterFailure)
 			continue
 		}
 		if r := f.send(t, "POST", "/orders", "alice", key, "book", "X-Case", strconv.Itoa(i)); r.status != http.StatusCreated {
 			t.Errorf("%s: retry %d %s", c.name, r.status, r.body)
 		}
-		if orders := f.count(t, `SELECT count(*) FROM orders WHERE owner = $1`, key); orders != ordersAtEnd {
+		if orders := f.count(t, `SELECT count(*) FROM `+f.db.Table("orders")+` WHERE owner = $1`, key); orders != ordersAtEnd {
 			t.Errorf("%s: %d orders after the retry; want %d", c.name, orders, ordersAtEnd)
 		}
 	}
@@ -185,13 +188,13 @@ func TestHandlerEndingTheTransactionAroundTheView(t *testing.T) {
 func TestHandlerIgnoringAFailedStatement(t *testing.T) {
 	t.Parallel()
 	var failed atomic.Bool
-	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
-		inner := orderHandler(runs)
+	f := newFixture(t, idempotency.Config{}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
+		inner := orderHandler(db.Table("orders"), runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if !failed.Swap(true) {
 				runs.Add(1)
 				ctx := r.Context()
-				_, _ = outbox.MustTx(ctx).Exec(ctx, `INSERT INTO orders (owner, item) VALUES (NULL, 'x')`) // not null violation
+				_, _ = outbox.MustTx(ctx).Exec(ctx, `INSERT INTO `+db.Table("orders")+` (owner, item) VALUES (NULL, 'x')`) // not null violation
 				http.Error(w, "order refused", http.StatusConflict)
 				return
 			}

@@ -44,8 +44,8 @@ func TestWaitingRetriesDoNotPinThePool(t *testing.T) {
 	releaseOnce := func() { once.Do(func() { close(release) }) }
 	t.Cleanup(releaseOnce)
 	var runs atomic.Int64
-	slow := blockingHandler(started, release)(&runs)
-	fast := orderHandler(&runs)
+	slow := blockingHandler(started, release)(db, &runs)
+	fast := orderHandler(db.Table("orders"), &runs)
 	srv := httptest.NewServer(mw.Handler(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("X-User") == "alice" {
 			slow.ServeHTTP(w, r)

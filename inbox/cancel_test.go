@@ -29,7 +29,7 @@ func TestSucceededWorkCommitsDespiteCancellation(t *testing.T) {
 		runs := 0
 		h := f.ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
 			runs++
-			if err := applyEffect(m, ""); err != nil {
+			if err := f.applyEffect(m, ""); err != nil {
 				return nil, err
 			}
 			if how == "cancel" {

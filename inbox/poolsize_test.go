@@ -47,6 +47,7 @@ func TestHandlersUsingThePoolCannotExhaustIt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	fx := &fixture{t: t, db: db}
 	var inHandler, most atomic.Int32
 	var busy atomic.Bool
 	h := ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
@@ -54,7 +55,7 @@ func TestHandlersUsingThePoolCannotExhaustIt(t *testing.T) {
 		defer inHandler.Add(-1)
 		for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
 		}
-		if err := applyEffect(msg, ""); err != nil {
+		if err := fx.applyEffect(msg, ""); err != nil {
 			return nil, err
 		}
 		// The first handler waits until the other message is in its handler too, or waits for
@@ -90,9 +91,8 @@ func TestHandlersUsingThePoolCannotExhaustIt(t *testing.T) {
 			t.Errorf("message %d, whose handler used the pool while the other message held a connection: %v", i, err)
 		}
 	}
-	db2 := &fixture{t: t, db: db}
 	for _, m := range msgs {
-		if n := db2.effects(m.UUID); n != 1 {
+		if n := fx.effects(m.UUID); n != 1 {
 			t.Errorf("message %s: %d effects; want 1", m.UUID, n)
 		}
 	}

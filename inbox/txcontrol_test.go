@@ -107,7 +107,7 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 		h := f.ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
 			attempts++
 			ctx := m.Context()
-			if err := applyEffect(m, "before"); err != nil {
+			if err := f.applyEffect(m, "before"); err != nil {
 				return nil, err
 			}
 			if attempts == 1 {
@@ -117,7 +117,7 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 				}
 				// ... and carries on as if nothing happened.
 			}
-			if err := applyEffect(m, "after"); err != nil {
+			if err := f.applyEffect(m, "after"); err != nil {
 				return nil, err
 			}
 			return []*message.Message{outbox.ToTopic(outbox.NewMessage([]byte(m.UUID)), "events")}, nil
@@ -152,7 +152,7 @@ func TestHandlerSavepointsAndLookalikesAllowed(t *testing.T) {
 				return nil, fmt.Errorf("%q: %w", sql, err)
 			}
 		}
-		return nil, applyEffect(m, "")
+		return nil, f.applyEffect(m, "")
 	})
 	if _, err := h(msg); err != nil {
 		t.Fatal(err)
@@ -182,14 +182,14 @@ func TestHandlerEndingTheTransactionAroundTheView(t *testing.T) {
 		h := f.ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
 			runs++
 			ctx := m.Context()
-			if err := applyEffect(m, ""); err != nil {
+			if err := f.applyEffect(m, ""); err != nil {
 				return nil, err
 			}
 			if runs == 1 {
 				if err := sendVia(ctx, outbox.MustTx(ctx), "conn", c.sql); err != nil {
 					return nil, err
 				}
-			} else if err := applyEffect(m, "again"); err != nil {
+			} else if err := f.applyEffect(m, "again"); err != nil {
 				return nil, err
 			}
 			return []*message.Message{outbox.ToTopic(outbox.NewMessage([]byte(m.UUID)), "events")}, nil
@@ -219,7 +219,7 @@ func TestHandlerIgnoringAFailedStatement(t *testing.T) {
 	h := f.ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
 		runs++
 		ctx := m.Context()
-		if err := applyEffect(m, ""); err != nil {
+		if err := f.applyEffect(m, ""); err != nil {
 			return nil, err
 		}
 		if runs == 1 {
@@ -239,9 +239,9 @@ func TestHandlerIgnoringAFailedStatement(t *testing.T) {
 }
 
 func (f *fixture) dedupOf(msg *message.Message) int {
-	return f.count(`SELECT count(*) FROM processed_event WHERE dedup_key = $1`, "event:"+msg.UUID)
+	return f.count(`SELECT count(*) FROM `+f.db.Table("processed_event")+` WHERE dedup_key = $1`, "event:"+msg.UUID)
 }
 
 func (f *fixture) eventsOf(msg *message.Message) int {
-	return f.count(`SELECT count(*) FROM outbox WHERE payload = $1`, []byte(msg.UUID))
+	return f.count(`SELECT count(*) FROM `+f.db.Table("outbox")+` WHERE payload = $1`, []byte(msg.UUID))
 }
