@@ -145,16 +145,16 @@ type replyEvent struct {
 
 // effects is what a transition asks the store to do in the same transaction.
 type effects struct {
-	commands    []*message.Message // written to the outbox
-	setStep     *timer             // upsert the step timer
-	cancelStep  bool               // delete the step timer
-	cancelAll   bool               // the saga ended: delete every timer
-	stale       string             // the event changed nothing; why (for logs and metrics)
+	commands   []*message.Message // written to the outbox
+	setStep    *timer             // upsert the step timer
+	cancelStep bool               // delete the step timer
+	cancelAll  bool               // the saga ended: delete every timer
+	stale      string             // the event changed nothing; why (for logs and metrics)
 	// hadStepTimer and hadDeadline say whether those timers existed before the transition,
 	// so that cancelling a timer that is not there costs no statement.
 	hadStepTimer, hadDeadline bool
-	finished    State              // StateCompleted or StateCompensated when the saga ended now
-	becameStuck bool
+	finished                  State // StateCompleted or StateCompensated when the saga ended now
+	becameStuck               bool
 }
 
 // machine applies events to a saga of one definition. It is pure: no I/O, the clock is given.
