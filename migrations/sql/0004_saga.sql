@@ -1,4 +1,4 @@
--- onceflow 0003: orchestrated sagas and their durable timers.
+-- onceflow 0004: orchestrated sagas and their durable timers.
 -- The schema placeholder is replaced by the configured, validated and quoted schema name.
 
 -- One row per saga, written by saga.StartTx in the business transaction that starts it and
