@@ -1,7 +1,6 @@
 package idempotency_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -10,80 +9,20 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
-// endingStatements end (or restart) the managed transaction, each through one way of sending
-// SQL on the handler's view.
-var endingStatements = []struct{ name, via, sql string }{
-	{"COMMIT", "exec", "COMMIT"},
-	{"commit lower case", "exec", "commit"},
-	{"ROLLBACK", "exec", "ROLLBACK"},
-	{"END", "exec", "end"},
-	{"END TRANSACTION", "exec", "END TRANSACTION"},
-	{"ABORT", "exec", "ABORT"},
-	{"COMMIT AND CHAIN", "exec", "COMMIT AND CHAIN"},
-	{"ROLLBACK AND CHAIN", "exec", "rollback and chain"},
-	{"COMMIT WORK", "exec", "COMMIT WORK"},
-	{"BEGIN", "exec", "BEGIN"},
-	{"START TRANSACTION", "exec", "START TRANSACTION ISOLATION LEVEL SERIALIZABLE"},
-	{"PREPARE TRANSACTION", "exec", "PREPARE TRANSACTION 'onceflow-test'"},
-	{"leading comments", "exec", "/* a /* nested */ comment */ -- and a line\n\t Commit"},
-	{"second statement", "exec", "SELECT 1; COMMIT"},
-	{"between two", "exec", "SELECT ';'; commit; SELECT 2"},
-	{"after a string with a semicolon", "exec", "SELECT 'a;b', $$;x$$ ; END"},
-	{"Query", "query", "COMMIT"},
-	{"QueryRow", "queryrow", "ROLLBACK"},
-	{"SendBatch", "batch", "COMMIT"},
-	{"Prepare", "prepare", "COMMIT"},
-	{"in a savepoint", "savepoint", "COMMIT"},
-}
+var endingStatements = testutil.EndingStatements
 
-// sendVia sends sql on tx the way via names.
-func sendVia(ctx context.Context, tx pgx.Tx, via, sql string) error {
-	switch via {
-	case "exec":
-		_, err := tx.Exec(ctx, sql)
-		return err
-	case "query":
-		rows, err := tx.Query(ctx, sql)
-		if err != nil {
-			return err
-		}
-		rows.Close()
-		return rows.Err()
-	case "queryrow":
-		return tx.QueryRow(ctx, sql).Scan()
-	case "batch":
-		b := &pgx.Batch{}
-		b.Queue(sql)
-		return tx.SendBatch(ctx, b).Close()
-	case "prepare":
-		if _, err := tx.Prepare(ctx, "ending", sql); err != nil {
-			return err
-		}
-		_, err := tx.Exec(ctx, "ending")
-		return err
-	case "savepoint":
-		return pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
-			_, err := sp.Exec(ctx, sql)
-			return err
-		})
-	case "conn": // around the view, on the connection itself
-		_, err := tx.Conn().Exec(ctx, sql)
-		return err
-	}
-	panic("unknown way " + via)
-}
+var sendVia = testutil.SendVia
 
 // endingHandler inserts an order, on the first run of a key sends the statement of the
 // request's X-Case (ignoring the error, as a careless handler would), inserts a second order
 // and answers 201, which is stored.
-func endingHandler(t *testing.T, cases []struct{ name, via, sql string }, runsPerKey map[string]int, mu *sync.Mutex) func(*testdb.DB, *atomic.Int64) http.Handler {
+func endingHandler(t *testing.T, cases []testutil.TxControlCase, runsPerKey map[string]int, mu *sync.Mutex) func(*testdb.DB, *atomic.Int64) http.Handler {
 	return func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
@@ -103,9 +42,9 @@ func endingHandler(t *testing.T, cases []struct{ name, via, sql string }, runsPe
 			if first {
 				i, _ := strconv.Atoi(r.Header.Get("X-Case"))
 				c := cases[i]
-				err := sendVia(ctx, tx, c.via, c.sql)
-				if c.via == "exec" && !errors.Is(err, outbox.ErrTxManaged) {
-					t.Errorf("%s: Exec = %v; want ErrTxManaged", c.name, err)
+				err := sendVia(ctx, tx, c.Via, c.SQL)
+				if c.Via == "exec" && !errors.Is(err, outbox.ErrTxManaged) {
+					t.Errorf("%s: Exec = %v; want ErrTxManaged", c.Name, err)
 				}
 			}
 			if tx.Conn().PgConn().TxStatus() == 'T' { // else the insert would fail or run outside
@@ -136,7 +75,7 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 		r := f.send(t, "POST", "/orders", "alice", key, "book", "X-Case", strconv.Itoa(i))
 		if r.status != http.StatusInternalServerError || r.header.Get("Content-Type") != "application/problem+json" || ordersOf(key) != 0 || recordsOf(key) != 0 {
 			t.Errorf("%s: first request answered %d %s and kept %d orders, %d records; want 500 problem+json and nothing kept",
-				c.name, r.status, r.body, ordersOf(key), recordsOf(key))
+				c.Name, r.status, r.body, ordersOf(key), recordsOf(key))
 			continue
 		}
 		retry := f.send(t, "POST", "/orders", "alice", key, "book", "X-Case", strconv.Itoa(i))
@@ -146,7 +85,7 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 		mu.Unlock()
 		if retry.status != http.StatusCreated || retry.replayed() || !again.replayed() || ordersOf(key) != 2 || recordsOf(key) != 1 || runs != 2 {
 			t.Errorf("%s: retry %d (replayed %v), next %d (replayed %v); %d orders, %d records, %d runs; want 201, a replay, 2 orders, 1 record, 2 runs",
-				c.name, retry.status, retry.replayed(), again.status, again.replayed(), ordersOf(key), recordsOf(key), runs)
+				c.Name, retry.status, retry.replayed(), again.status, again.replayed(), ordersOf(key), recordsOf(key), runs)
 		}
 	}
 }
@@ -158,26 +97,26 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 // retry runs the handler again.
 func TestHandlerEndingTheTransactionAroundTheView(t *testing.T) {
 	t.Parallel()
-	cases := []struct{ name, via, sql string }{{"ROLLBACK", "conn", "ROLLBACK"}, {"COMMIT", "conn", "COMMIT"}}
+	cases := []testutil.TxControlCase{{Name: "ROLLBACK", Via: "conn", SQL: "ROLLBACK"}, {Name: "COMMIT", Via: "conn", SQL: "COMMIT"}}
 	var mu sync.Mutex
 	runsPerKey := map[string]int{}
 	f := newFixture(t, idempotency.Config{}, endingHandler(t, cases, runsPerKey, &mu))
 	for i, c := range cases {
-		key, ordersAfterFailure, ordersAtEnd := c.name, 0, 2
-		if c.name == "COMMIT" {
+		key, ordersAfterFailure, ordersAtEnd := c.Name, 0, 2
+		if c.Name == "COMMIT" {
 			ordersAfterFailure, ordersAtEnd = 1, 3
 		}
 		r := f.send(t, "POST", "/orders", "alice", key, "book", "X-Case", strconv.Itoa(i))
 		orders := f.count(t, `SELECT count(*) FROM `+f.db.Table("orders")+` WHERE owner = $1`, key)
 		if r.status != http.StatusInternalServerError || orders != ordersAfterFailure || f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record")+` WHERE idem_key = $1`, key) != 0 {
-			t.Errorf("%s on the connection: %d %s, %d orders; want 500, %d orders, no record", c.name, r.status, r.body, orders, ordersAfterFailure)
+			t.Errorf("%s on the connection: %d %s, %d orders; want 500, %d orders, no record", c.Name, r.status, r.body, orders, ordersAfterFailure)
 			continue
 		}
 		if r := f.send(t, "POST", "/orders", "alice", key, "book", "X-Case", strconv.Itoa(i)); r.status != http.StatusCreated {
-			t.Errorf("%s: retry %d %s", c.name, r.status, r.body)
+			t.Errorf("%s: retry %d %s", c.Name, r.status, r.body)
 		}
 		if orders := f.count(t, `SELECT count(*) FROM `+f.db.Table("orders")+` WHERE owner = $1`, key); orders != ordersAtEnd {
-			t.Errorf("%s: %d orders after the retry; want %d", c.name, orders, ordersAtEnd)
+			t.Errorf("%s: %d orders after the retry; want %d", c.Name, orders, ordersAtEnd)
 		}
 	}
 }

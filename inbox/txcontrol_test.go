@@ -1,43 +1,18 @@
 package inbox_test
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"strings"
 	"testing"
 
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
-// endingStatements end (or restart) the managed transaction, each through one way of sending
-// SQL on the handler's view.
-var endingStatements = []struct{ name, via, sql string }{
-	{"COMMIT", "exec", "COMMIT"},
-	{"commit lower case", "exec", "commit"},
-	{"ROLLBACK", "exec", "ROLLBACK"},
-	{"END", "exec", "end"},
-	{"END TRANSACTION", "exec", "END TRANSACTION"},
-	{"ABORT", "exec", "ABORT"},
-	{"COMMIT AND CHAIN", "exec", "COMMIT AND CHAIN"},
-	{"ROLLBACK AND CHAIN", "exec", "rollback and chain"},
-	{"COMMIT WORK", "exec", "COMMIT WORK"},
-	{"BEGIN", "exec", "BEGIN"},
-	{"START TRANSACTION", "exec", "START TRANSACTION ISOLATION LEVEL SERIALIZABLE"},
-	{"PREPARE TRANSACTION", "exec", "PREPARE TRANSACTION 'onceflow-test'"},
-	{"leading comments", "exec", "/* a /* nested */ comment */ -- and a line\n\t Commit"},
-	{"second statement", "exec", "SELECT 1; COMMIT"},
-	{"between two", "exec", "SELECT ';'; commit; SELECT 2"},
-	{"after a string with a semicolon", "exec", "SELECT 'a;b', $$;x$$ ; END"},
-	{"Query", "query", "COMMIT"},
-	{"QueryRow", "queryrow", "ROLLBACK"},
-	{"SendBatch", "batch", "COMMIT"},
-	{"Prepare", "prepare", "COMMIT"},
-	{"in a savepoint", "savepoint", "COMMIT"},
-}
+var endingStatements = testutil.EndingStatements
 
 // allowedStatements must keep working: savepoints, and text that only mentions the keywords.
 var allowedStatements = []string{
@@ -58,42 +33,7 @@ var allowedStatements = []string{
 	"SELECT 1 AS commit_count",
 }
 
-// sendVia sends sql on tx the way via names.
-func sendVia(ctx context.Context, tx pgx.Tx, via, sql string) error {
-	switch via {
-	case "exec":
-		_, err := tx.Exec(ctx, sql)
-		return err
-	case "query":
-		rows, err := tx.Query(ctx, sql)
-		if err != nil {
-			return err
-		}
-		rows.Close()
-		return rows.Err()
-	case "queryrow":
-		return tx.QueryRow(ctx, sql).Scan()
-	case "batch":
-		b := &pgx.Batch{}
-		b.Queue(sql)
-		return tx.SendBatch(ctx, b).Close()
-	case "prepare":
-		if _, err := tx.Prepare(ctx, "ending", sql); err != nil {
-			return err
-		}
-		_, err := tx.Exec(ctx, "ending")
-		return err
-	case "savepoint":
-		return pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error {
-			_, err := sp.Exec(ctx, sql)
-			return err
-		})
-	case "conn": // around the view, on the connection itself
-		_, err := tx.Conn().Exec(ctx, sql)
-		return err
-	}
-	panic("unknown way " + via)
-}
+var sendVia = testutil.SendVia
 
 // A handler that ends its transaction with SQL, and even ignores the error it gets: the
 // message fails, nothing of the attempt is kept (no effect, no dedup row, no event), and the
@@ -102,7 +42,7 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, nil)
 	for _, c := range endingStatements {
-		msg := outbox.NewMessage([]byte(c.name))
+		msg := outbox.NewMessage([]byte(c.Name))
 		attempts := 0
 		h := f.ib.Middleware(func(m *message.Message) ([]*message.Message, error) {
 			attempts++
@@ -111,9 +51,9 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 				return nil, err
 			}
 			if attempts == 1 {
-				err := sendVia(ctx, outbox.MustTx(ctx), c.via, c.sql)
-				if c.via == "exec" && !errors.Is(err, outbox.ErrTxManaged) {
-					t.Errorf("%s: Exec = %v; want ErrTxManaged", c.name, err)
+				err := sendVia(ctx, outbox.MustTx(ctx), c.Via, c.SQL)
+				if c.Via == "exec" && !errors.Is(err, outbox.ErrTxManaged) {
+					t.Errorf("%s: Exec = %v; want ErrTxManaged", c.Name, err)
 				}
 				// ... and carries on as if nothing happened.
 			}
@@ -125,17 +65,17 @@ func TestHandlerCannotEndTheTransactionWithSQL(t *testing.T) {
 		_, err := h(msg.Copy())
 		kept := fmt.Sprintf("effects %d, dedup rows %d, events %d", f.effects(msg.UUID), f.dedupOf(msg), f.eventsOf(msg))
 		if !errors.Is(err, outbox.ErrTxManaged) || kept != "effects 0, dedup rows 0, events 0" {
-			t.Errorf("%s: first delivery returned %v and kept %s; want ErrTxManaged and nothing kept", c.name, err, kept)
+			t.Errorf("%s: first delivery returned %v and kept %s; want ErrTxManaged and nothing kept", c.Name, err, kept)
 			continue
 		}
 		if _, err := h(msg.Copy()); err != nil {
-			t.Errorf("%s: redelivery: %v", c.name, err)
+			t.Errorf("%s: redelivery: %v", c.Name, err)
 		}
 		if _, err := h(msg.Copy()); err != nil { // a duplicate now
-			t.Errorf("%s: third delivery: %v", c.name, err)
+			t.Errorf("%s: third delivery: %v", c.Name, err)
 		}
 		if kept := fmt.Sprintf("effects %d, dedup rows %d, events %d", f.effects(msg.UUID), f.dedupOf(msg), f.eventsOf(msg)); kept != "effects 2, dedup rows 1, events 1" || attempts != 2 {
-			t.Errorf("%s: after the redeliveries: %s in %d runs; want effects 2, dedup rows 1, events 1 in 2 runs", c.name, kept, attempts)
+			t.Errorf("%s: after the redeliveries: %s in %d runs; want effects 2, dedup rows 1, events 1 in 2 runs", c.Name, kept, attempts)
 		}
 	}
 }
