@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/saga"
 )
@@ -65,11 +66,7 @@ func (c *cli) sagaList(ctx context.Context, args []string) error {
 		fmt.Fprintf(c.stderr, "onceflow saga list: --state %q is not a saga state; use running, compensating, completed, compensated or stuck\n", *state)
 		return errUsage
 	}
-	admin, err := saga.NewAdmin(db.schema)
-	if err != nil {
-		return err
-	}
-	pool, err := db.connect(ctx, "onceflow-saga")
+	admin, pool, err := sagaAdmin(ctx, db)
 	if err != nil {
 		return err
 	}
@@ -99,11 +96,7 @@ func (c *cli) sagaShow(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	admin, err := saga.NewAdmin(db.schema)
-	if err != nil {
-		return err
-	}
-	pool, err := db.connect(ctx, "onceflow-saga")
+	admin, pool, err := sagaAdmin(ctx, db)
 	if err != nil {
 		return err
 	}
@@ -162,11 +155,7 @@ func (c *cli) sagaRequest(ctx context.Context, action string, args []string) err
 	if err != nil {
 		return err
 	}
-	admin, err := saga.NewAdmin(db.schema)
-	if err != nil {
-		return err
-	}
-	pool, err := db.connect(ctx, "onceflow-saga")
+	admin, pool, err := sagaAdmin(ctx, db)
 	if err != nil {
 		return err
 	}
@@ -182,6 +171,16 @@ func (c *cli) sagaRequest(ctx context.Context, action string, args []string) err
 	}
 	_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out (watch it with: onceflow saga show %s)\n", action, id, id)
 	return err
+}
+
+// sagaAdmin connects for a saga command.
+func sagaAdmin(ctx context.Context, db *dbFlags) (*saga.Admin, *pgxpool.Pool, error) {
+	admin, err := saga.NewAdmin(db.schema)
+	if err != nil {
+		return nil, nil, err
+	}
+	pool, err := db.connect(ctx, "onceflow-saga")
+	return admin, pool, err
 }
 
 // oneID parses flags and exactly one positional saga id.
