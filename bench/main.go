@@ -97,6 +97,7 @@ var scenarios = []scenario{
 	{"inbox", benchInbox},
 	{"inbox_cleanup", benchInboxCleanup},
 	{"http", benchHTTP},
+	{"saga", benchSaga},
 }
 
 func main() {

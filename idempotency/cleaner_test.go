@@ -19,7 +19,7 @@ import (
 
 func insertRecords(t *testing.T, db *testdb.DB, prefix string, n int, expiresIn string) {
 	t.Helper()
-	_, err := db.Pool.Exec(context.Background(), `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, body, expires_at)
+	_, err := db.Pool.Exec(context.Background(), `INSERT INTO `+db.Table("idempotency_record")+` (owner, idem_key, fingerprint, status, body, expires_at)
 		SELECT 'alice', $1 || i, '\x00', 201, 'x', now() + $3::interval FROM generate_series(1, $2) AS i`, prefix, n, expiresIn)
 	if err != nil {
 		t.Fatal(err)
@@ -40,7 +40,7 @@ func TestCleanerDeletesOnlyExpiredInBatches(t *testing.T) {
 		t.Fatalf("Clean = %d, %v; want 7 deleted", n, err)
 	}
 	f := &fixture{db: db}
-	if left := f.count(t, `SELECT count(*) FROM idempotency_record WHERE idem_key LIKE 'live-%'`); left != 3 || f.records(t) != 3 {
+	if left := f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record")+` WHERE idem_key LIKE 'live-%'`); left != 3 || f.records(t) != 3 {
 		t.Fatalf("%d live records left of 3, %d in total", left, f.records(t))
 	}
 	if n, err := c.Clean(context.Background()); err != nil || n != 0 {
@@ -67,13 +67,13 @@ func TestCleanerSkipsARecordBeingReplaced(t *testing.T) {
 		}
 	})
 	var runs atomic.Int64
-	srv := httptest.NewServer(mw.Handler(orderHandler(&runs)))
+	srv := httptest.NewServer(mw.Handler(orderHandler(db.Table("orders"), &runs)))
 	t.Cleanup(srv.Close)
 	f := &fixture{db: db, mw: mw, srv: srv}
 
 	// An expired record for the key, plus other expired ones.
 	insertRecords(t, db, "old-", 4, "-1 hour")
-	if _, err := db.Pool.Exec(context.Background(), `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, body, expires_at)
+	if _, err := db.Pool.Exec(context.Background(), `INSERT INTO `+db.Table("idempotency_record")+` (owner, idem_key, fingerprint, status, body, expires_at)
 		VALUES ('alice', 'k', '\x00', 201, 'stale', now() - interval '1 hour')`); err != nil {
 		t.Fatal(err)
 	}
@@ -102,7 +102,7 @@ func TestCleanerSkipsARecordBeingReplaced(t *testing.T) {
 	if first.status != http.StatusCreated || first.replayed() {
 		t.Fatalf("request: %d %s", first.status, first.body)
 	}
-	if n := f.count(t, `SELECT count(*) FROM idempotency_record WHERE owner = 'alice' AND idem_key = 'k' AND expires_at > now()`); n != 1 {
+	if n := f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record")+` WHERE owner = 'alice' AND idem_key = 'k' AND expires_at > now()`); n != 1 {
 		t.Fatal("the replacing request's record is missing after the cleaner ran")
 	}
 	if r := f.send(t, "POST", "/orders", "alice", `"k"`, "book"); !r.replayed() || string(r.body) != string(first.body) {

@@ -30,6 +30,9 @@ const (
 	DefaultMaxStoredResponseBytes = 1 << 20
 	// DefaultRetryAfter is the Retry-After advertised with a 409 for a request in flight.
 	DefaultRetryAfter = time.Second
+	// DefaultMaxWaiters is the default Config.MaxWaiters: at most 64 requests of one
+	// middleware wait for keys held by other requests (WaitInFlight) at once.
+	DefaultMaxWaiters = 64
 	// DefaultProblemBase prefixes every problem type URI; each type is a section of the
 	// published contract (docs/http-idempotency.md), as the draft asks error responses to
 	// link to the documentation.
@@ -130,8 +133,14 @@ type Config struct {
 	MismatchStatus int
 	// WaitInFlight makes a request whose key is held by a request still running wait up to
 	// this long for it to finish and then replay its response (or run, if the first one
-	// rolled back). Default 0: answer 409 with Retry-After at once.
+	// rolled back). Default 0: answer 409 with Retry-After at once. A waiting request holds no
+	// pooled connection: it retries the key's lock in short transactions, 10 ms after the
+	// first try and then backing off to every 100 ms, and is woken at once when the request
+	// holding the key runs in the same process.
 	WaitInFlight time.Duration
+	// MaxWaiters bounds the requests waiting at once (WaitInFlight) in this middleware; a
+	// request that would be one more gets 409 at once. Default DefaultMaxWaiters (64).
+	MaxWaiters int
 	// RetryAfter is advertised (rounded up to whole seconds) with a 409 in-flight answer and a
 	// 503 storage failure. Default DefaultRetryAfter (1 s).
 	RetryAfter time.Duration
@@ -159,6 +168,10 @@ const (
 	OutcomeRejected    Outcome = "rejected"     // malformed key, missing key, body too large, no owner
 	OutcomeStorageFail Outcome = "storage_error"
 	OutcomePanic       Outcome = "panic" // handler panicked: rolled back, panic propagated
+	// OutcomeTxMisuse: the handler tried to end its transaction with SQL (COMMIT, ROLLBACK, ...),
+	// ended it around the managed view, or answered a stored status with the transaction
+	// aborted by a failed statement: rolled back, nothing stored, 500.
+	OutcomeTxMisuse Outcome = "tx_misuse"
 )
 
 // Metrics receives one observation per keyed request. Implementations must be safe for
@@ -241,6 +254,11 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.WaitInFlight < 0 {
 		problems = append(problems, fmt.Errorf("WaitInFlight is %s; use 0 to answer 409 at once, or a positive bound", c.WaitInFlight))
+	}
+	if c.MaxWaiters < 0 {
+		problems = append(problems, fmt.Errorf("MaxWaiters is %d; use 0 for the default (%d) or a positive bound", c.MaxWaiters, DefaultMaxWaiters))
+	} else if c.MaxWaiters == 0 {
+		c.MaxWaiters = DefaultMaxWaiters
 	}
 	if c.RetryAfter < 0 {
 		problems = append(problems, fmt.Errorf("RetryAfter is %s; use 0 for the default (%s) or a positive duration", c.RetryAfter, DefaultRetryAfter))

@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -62,7 +63,7 @@ func runChild(mode string) {
 			select {} // until SIGKILL
 		}))
 	case "after-commit":
-		inner := mw.Handler(orderHandler(&runs))
+		inner := mw.Handler(orderHandler(pgsql.Table(schema, "orders"), &runs))
 		app = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			inner.ServeHTTP(killOnWrite{w}, r)
 		})
@@ -156,7 +157,7 @@ func restartedServer(t *testing.T, db *testdb.DB, runs *atomic.Int64) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(mw.Handler(orderHandler(runs)))
+	srv := httptest.NewServer(mw.Handler(orderHandler(db.Table("orders"), runs)))
 	t.Cleanup(srv.Close)
 	return &fixture{db: db, mw: mw, srv: srv}
 }
@@ -194,7 +195,7 @@ func TestCrashInFlightLeavesNoLockAndNoWrites(t *testing.T) {
 	if r.status != http.StatusCreated || r.replayed() {
 		t.Fatalf("retry after the crash: %d replayed=%v %s; want a fresh 201", r.status, r.replayed(), r.body)
 	}
-	if runs.Load() != 1 || f.orders(t) != 1 || f.count(t, `SELECT count(*) FROM orders WHERE item = 'lost'`) != 0 {
+	if runs.Load() != 1 || f.orders(t) != 1 || f.count(t, `SELECT count(*) FROM `+f.db.Table("orders")+` WHERE item = 'lost'`) != 0 {
 		t.Fatalf("runs=%d orders=%d; the killed request's write must be gone and the retry's kept", runs.Load(), f.orders(t))
 	}
 }
@@ -218,7 +219,7 @@ func TestCrashAfterCommitRetryReplays(t *testing.T) {
 		t.Fatalf("retry after the crash: %d replayed=%v %s; want the stored 201", r.status, r.replayed(), r.body)
 	}
 	var id int64
-	if err := db.Pool.QueryRow(context.Background(), `SELECT id FROM orders`).Scan(&id); err != nil {
+	if err := db.Pool.QueryRow(context.Background(), `SELECT id FROM `+db.Table("orders")).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
 	if runs.Load() != 0 || f.orders(t) != 1 || !strings.Contains(string(r.body), fmt.Sprintf(`"id":%d`, id)) || r.header.Get("Location") != fmt.Sprintf("/orders/%d", id) {

@@ -20,7 +20,7 @@ func ExampleNew() {
 	db, done := exampleDB() // a pool and a schema migrated with migrations.Up
 	defer done()
 	ctx := context.Background()
-	db.Pool.Exec(ctx, `CREATE TABLE orders (id bigserial PRIMARY KEY, item text)`)
+	db.Pool.Exec(ctx, `CREATE TABLE `+db.Table("orders")+` (id bigserial PRIMARY KEY, item text)`)
 
 	mw, err := idempotency.New(idempotency.Config{
 		Pool:   db.Pool,
@@ -35,9 +35,9 @@ func ExampleNew() {
 	createOrder := func(w http.ResponseWriter, r *http.Request) {
 		item, _ := io.ReadAll(r.Body)
 		var id int64
-		// idempotency.Tx is the request's transaction: the insert commits with the response.
+		// outbox.MustTx returns the request's transaction: the insert commits with the response.
 		err := outbox.MustTx(r.Context()).QueryRow(r.Context(),
-			`INSERT INTO orders (item) VALUES ($1) RETURNING id`, item).Scan(&id)
+			`INSERT INTO `+db.Table("orders")+` (item) VALUES ($1) RETURNING id`, item).Scan(&id)
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError) // 5xx: rolled back, not stored
 			return
@@ -73,7 +73,7 @@ func ExampleNew() {
 	post(`""`, "pen")                                      // malformed key
 
 	var orders int
-	db.Pool.QueryRow(ctx, `SELECT count(*) FROM orders`).Scan(&orders)
+	db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Table("orders")).Scan(&orders)
 	fmt.Println("orders:", orders)
 	// Output:
 	// 201  {"id":1}

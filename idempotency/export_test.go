@@ -13,3 +13,6 @@ var CanonicalJSON = canonicalJSON
 
 // Fingerprint exposes the fingerprint function.
 var Fingerprint = fingerprint
+
+// Waiters is the number of requests waiting for a key held by another request.
+func (m *Middleware) Waiters() int { return len(m.waitSlots) }

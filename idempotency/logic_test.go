@@ -109,12 +109,13 @@ func TestNewRefusesBadConfig(t *testing.T) {
 		StoredHeaders:          []string{"Location", "set-cookie"},
 		MismatchStatus:         400,
 		WaitInFlight:           -time.Second,
+		MaxWaiters:             -1,
 		RetryAfter:             -time.Second,
 	})
 	if err == nil {
 		t.Fatal("New accepted an invalid config")
 	}
-	for _, want := range []string{"Pool is nil", "Owner is nil", "Schema", "NOT A METHOD", "Window", "MaxBodyBytes", "MaxStoredResponseBytes", "Set-Cookie", "MismatchStatus", "WaitInFlight", "RetryAfter"} {
+	for _, want := range []string{"Pool is nil", "Owner is nil", "Schema", "NOT A METHOD", "Window", "MaxBodyBytes", "MaxStoredResponseBytes", "Set-Cookie", "MismatchStatus", "WaitInFlight", "MaxWaiters", "RetryAfter"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error does not mention %s:\n%v", want, err)
 		}
@@ -139,7 +140,7 @@ func TestNewRefusesBadConfig(t *testing.T) {
 	}
 	c := m.Config()
 	if c.Schema != "onceflow" || c.MismatchStatus != 422 || c.MaxBodyBytes != idempotency.DefaultMaxBodyBytes ||
-		c.MaxStoredResponseBytes != idempotency.DefaultMaxStoredResponseBytes || c.RetryAfter != time.Second ||
+		c.MaxStoredResponseBytes != idempotency.DefaultMaxStoredResponseBytes || c.RetryAfter != time.Second || c.MaxWaiters != idempotency.DefaultMaxWaiters ||
 		len(c.Methods) != 2 || len(c.StoredHeaders) != len(idempotency.DefaultStoredHeaders) {
 		t.Fatalf("defaults not filled in: %+v", c)
 	}

@@ -34,8 +34,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net/http"
-	"strconv"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -65,6 +66,11 @@ type Middleware struct {
 	// afterStore, when set (tests only), runs between replacing an expired record and the
 	// commit.
 	afterStore func()
+	// waitSlots holds one token per request waiting for a key (WaitInFlight); its capacity
+	// is MaxWaiters.
+	waitSlots chan struct{}
+	waitMu    sync.Mutex
+	waiters   map[int64]*keyWaiters // by lock id
 }
 
 // New validates cfg, reporting every problem at once, and returns the middleware. It refuses
@@ -74,7 +80,7 @@ func New(cfg Config) (*Middleware, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := &Middleware{cfg: cfg, methods: map[string]bool{}}
+	m := &Middleware{cfg: cfg, methods: map[string]bool{}, waitSlots: make(chan struct{}, cfg.MaxWaiters), waiters: map[int64]*keyWaiters{}}
 	for _, method := range cfg.Methods {
 		m.methods[method] = true
 	}
@@ -204,49 +210,28 @@ func readBody(r *http.Request, limit int64) (body []byte, tooLarge bool, err err
 
 func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, start time.Time, owner, key string, fp []byte) {
 	ctx := r.Context()
-	pc, err := m.cfg.Pool.Acquire(ctx)
-	if err != nil {
-		m.storageFailure(w, start, "acquire connection", err)
-		return
+	lock := lockID(m.cfg.Schema, owner, key)
+	pc, tx, rec, ok := m.acquireKey(ctx, w, start, lock, owner, key)
+	if !ok {
+		return // answered: 409 in flight, or 503
 	}
 	// Release returns the connection to the pool, or destroys it if a transaction is still
 	// open or aborted on it (a failure path), so nothing leaks into the next request.
 	defer pc.Release()
 
-	// Round trip 1: BEGIN, the key's lock and the key's record, pipelined.
-	tx, held, rec, err := m.claim(ctx, pc, lockID(m.cfg.Schema, owner, key), owner, key)
-	if tx == nil {
-		m.storageFailure(w, start, "begin transaction", err)
-		return
-	}
 	// The handler's view of tx cannot end it, and is closed once the handler is done.
-	htx, closeView := pgsql.ManagedTx(tx, errTxManaged)
+	htx, viewDone := pgsql.ManagedTx(tx, errTxManaged)
 	ended := false
 	rollback := func() {
-		closeView()
+		_ = viewDone() // closes the view; what it reports matters only after the handler ran
 		if ended {
 			return
 		}
 		ended = true
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_ = tx.Rollback(rctx) // on failure pgx closes the connection, which rolls back too
+		endTx(ctx, tx)
+		m.wake(lock) // the key's lock is free: waiters of this process try again at once
 	}
 	defer rollback()
-	if isLockTimeout(err) { // WaitInFlight ran out
-		rollback()
-		m.inFlight(w, start)
-		return
-	}
-	if err != nil {
-		m.storageFailure(w, start, "claim key", err)
-		return
-	}
-	if !held {
-		rollback()
-		m.inFlight(w, start)
-		return
-	}
 	if rec != nil && rec.live {
 		rollback() // release the lock and the connection before writing to a possibly slow client
 		m.replay(w, start, rec, fp)
@@ -267,10 +252,20 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	}()
 	next.ServeHTTP(bw, r.WithContext(hctx))
 	returned = true
-	closeView() // the handler is done with the transaction, whatever it kept a reference to
+	// The handler is done with the transaction, whatever it kept a reference to. Did it leave
+	// the transaction to us? A refused COMMIT (or ROLLBACK, END, ...), a transaction ended
+	// around the view, or — when its status is one we would store — an aborted transaction
+	// all fail the request: nothing is stored and its writes roll back.
+	viewErr := viewDone()
 	bw.finish()
+	store := m.cfg.Store(bw.status)
+	if viewErr != nil && (store || !errors.Is(viewErr, pgsql.ErrTxAborted)) {
+		rollback()
+		m.txMisuse(w, r, start, viewErr)
+		return
+	}
 
-	if !m.cfg.Store(bw.status) {
+	if !store {
 		rollback()
 		m.observe(OutcomeNotStored, start)
 		m.send(w, bw.status, bw.header, bw.body.Bytes(), true)
@@ -286,6 +281,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		}
 	}
 	args := []any{owner, key, fp, bw.status, m.storedHeaders(bw.header), storedBody, m.cfg.Window.Microseconds()}
+	var err error
 	if rec == nil {
 		// Second (and last) round trip of our own: insert and commit, pipelined. Should the insert fail (a record written
 		// without the lock: unique violation), PostgreSQL skips the COMMIT and the deferred
@@ -315,6 +311,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 		return
 	}
 	ended = true
+	m.wake(lock)
 	m.observe(OutcomeStored, start)
 	m.send(w, bw.status, bw.header, bw.body.Bytes(), true)
 }
@@ -332,13 +329,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 func (m *Middleware) claim(ctx context.Context, pc *pgxpool.Conn, lock int64, owner, key string) (tx pgx.Tx, held bool, rec *record, err error) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
-	if m.cfg.WaitInFlight > 0 {
-		ms := max(m.cfg.WaitInFlight.Milliseconds(), 1) // 0 would mean "wait forever"
-		b.Queue(waitLockSQL, strconv.FormatInt(ms, 10)+"ms", lock)
-		held = true
-	} else {
-		b.Queue(`SELECT pg_try_advisory_xact_lock($1)`, lock).QueryRow(func(row pgx.Row) error { return row.Scan(&held) })
-	}
+	b.Queue(`SELECT pg_try_advisory_xact_lock($1)`, lock).QueryRow(func(row pgx.Row) error { return row.Scan(&held) })
 	b.Queue(m.selectSQL, owner, key).Query(func(rows pgx.Rows) error {
 		for rows.Next() {
 			var r record
@@ -363,22 +354,137 @@ func (m *Middleware) claim(ctx context.Context, pc *pgxpool.Conn, lock int64, ow
 	return tx, held, rec, nil
 }
 
-// waitLockSQL waits for the key's lock ($2) under lock_timeout $1, so the waiter wakes the
-// moment the first request ends (timing out raises 55P03), and then puts the caller's
-// lock_timeout back for the handler — in one statement. Each subquery level runs before the
-// one around it (they are not flattened: their target lists call volatile functions), which
-// orders the steps: save the setting, shorten it, wait for the lock, restore the setting. A
-// setting changed by set_config applies at once, also to a lock wait later in the statement.
-const waitLockSQL = `SELECT set_config('lock_timeout', saved, true), shortened, locked FROM (
-	SELECT saved, shortened, pg_advisory_xact_lock($2) AS locked FROM (
-		SELECT saved, set_config('lock_timeout', $1, true) AS shortened FROM (
-			SELECT current_setting('lock_timeout') AS saved OFFSET 0) AS save
-		OFFSET 0) AS shorten
-	OFFSET 0) AS wait`
+// Polling of a waiting request (Config.WaitInFlight): the first retry comes after
+// waitPollMin, each later one after twice the previous pause, at most waitPollMax, each
+// jittered down by up to half so that waiters do not move in step. A request of this process
+// that releases the key wakes its waiters at once.
+const (
+	waitPollMin = 10 * time.Millisecond
+	waitPollMax = 100 * time.Millisecond
+)
 
-func isLockTimeout(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "55P03" // lock_not_available
+// acquireKey takes a pooled connection, opens the request transaction on it and takes the
+// key's lock, returning the key's record (nil when there is none). When another request
+// holds the key it answers 409 — at once, or, with WaitInFlight, after waiting up to that
+// long for the key without holding a connection: it polls the lock in short transactions
+// (try-lock, then roll back and release the connection), or is woken by the holder when that
+// is a request of this process. At most MaxWaiters requests wait at once; more get 409 at
+// once. ok is false when the request has been answered (409, or 503 on a storage failure);
+// otherwise the caller owns pc and tx.
+func (m *Middleware) acquireKey(ctx context.Context, w http.ResponseWriter, start time.Time, lock int64, owner, key string) (pc *pgxpool.Conn, tx pgx.Tx, rec *record, ok bool) {
+	var (
+		kw       *keyWaiters // set while this request waits
+		deadline time.Time
+	)
+	defer func() {
+		if kw != nil {
+			m.leave(lock, kw)
+			<-m.waitSlots
+		}
+	}()
+	for pause := waitPollMin; ; pause = min(2*pause, waitPollMax) {
+		pc, err := m.cfg.Pool.Acquire(ctx)
+		if err != nil {
+			m.storageFailure(w, start, "acquire connection", err)
+			return nil, nil, nil, false
+		}
+		tx, held, rec, err := m.claim(ctx, pc, lock, owner, key)
+		switch {
+		case tx == nil:
+			pc.Release()
+			m.storageFailure(w, start, "begin transaction", err)
+			return nil, nil, nil, false
+		case err != nil:
+			endTx(ctx, tx)
+			pc.Release()
+			m.storageFailure(w, start, "claim key", err)
+			return nil, nil, nil, false
+		case held:
+			return pc, tx, rec, true
+		}
+		endTx(ctx, tx) // give the connection back while the key is held elsewhere
+		pc.Release()
+		if m.cfg.WaitInFlight == 0 {
+			m.inFlight(w, start)
+			return nil, nil, nil, false
+		}
+		if kw == nil {
+			select {
+			case m.waitSlots <- struct{}{}:
+			default: // MaxWaiters requests already wait
+				m.inFlight(w, start)
+				return nil, nil, nil, false
+			}
+			// Join the key's waiters, then try once more at once: a holder that finished
+			// before we joined woke nobody.
+			kw, deadline = m.join(lock), time.Now().Add(m.cfg.WaitInFlight)
+			continue
+		}
+		left := time.Until(deadline)
+		if left <= 0 {
+			m.inFlight(w, start)
+			return nil, nil, nil, false
+		}
+		timer := time.NewTimer(min(pause-rand.N(pause/2), left))
+		select {
+		case <-kw.ch: // the holder, in this process, is done
+			m.leave(lock, kw)
+			kw = m.join(lock)
+		case <-timer.C:
+		case <-ctx.Done(): // the client is gone
+			timer.Stop()
+			m.inFlight(w, start)
+			return nil, nil, nil, false
+		}
+		timer.Stop()
+	}
+}
+
+// keyWaiters are the requests of this process waiting for one key; ch is closed when a
+// request of this process releases the key.
+type keyWaiters struct {
+	ch chan struct{}
+	n  int
+}
+
+func (m *Middleware) join(lock int64) *keyWaiters {
+	m.waitMu.Lock()
+	defer m.waitMu.Unlock()
+	kw := m.waiters[lock]
+	if kw == nil {
+		kw = &keyWaiters{ch: make(chan struct{})}
+		m.waiters[lock] = kw
+	}
+	kw.n++
+	return kw
+}
+
+func (m *Middleware) leave(lock int64, kw *keyWaiters) {
+	m.waitMu.Lock()
+	defer m.waitMu.Unlock()
+	kw.n--
+	if kw.n == 0 && m.waiters[lock] == kw {
+		delete(m.waiters, lock)
+	}
+}
+
+// wake tells this process's waiters of the key that it is free.
+func (m *Middleware) wake(lock int64) {
+	m.waitMu.Lock()
+	defer m.waitMu.Unlock()
+	if kw := m.waiters[lock]; kw != nil {
+		close(kw.ch)
+		delete(m.waiters, lock)
+	}
+}
+
+// endTx rolls tx back on a context detached from the request's, so a cancelled request still
+// releases its transaction (and lock) cleanly; should the rollback fail, pgx closes the
+// connection, which ends the transaction too.
+func endTx(ctx context.Context, tx pgx.Tx) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_ = tx.Rollback(rctx)
 }
 
 func (m *Middleware) inFlight(w http.ResponseWriter, start time.Time) {
@@ -442,6 +548,16 @@ func (m *Middleware) storageFailure(w http.ResponseWriter, start time.Time, step
 	w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
 	m.writeProblem(w, http.StatusServiceUnavailable, ProblemStorage, "Idempotency storage unavailable",
 		"The request could not be completed safely and nothing was kept. Retry the same request with the same key.", nil)
+}
+
+// txMisuse answers a request whose handler did not leave its transaction for the middleware
+// to commit (see pgsql.ManagedTx); the transaction is already rolled back.
+func (m *Middleware) txMisuse(w http.ResponseWriter, r *http.Request, start time.Time, err error) {
+	m.observe(OutcomeTxMisuse, start)
+	m.cfg.Logger.Error("idempotency: the handler did not leave its transaction to the middleware; nothing stored, the request fails with 500",
+		"method", r.Method, "path", r.URL.Path, "err", err)
+	m.writeProblem(w, http.StatusInternalServerError, "", "Internal Server Error",
+		"The request failed on the server and nothing was stored for this Idempotency-Key.", nil)
 }
 
 func (m *Middleware) observe(o Outcome, start time.Time) {

@@ -42,20 +42,21 @@ func ownerFromHeader(r *http.Request) (string, error) {
 // createOrders creates the business table the handlers write to.
 func createOrders(t *testing.T, db *testdb.DB) {
 	t.Helper()
-	if _, err := db.Pool.Exec(context.Background(), `CREATE TABLE orders (id bigserial PRIMARY KEY, owner text NOT NULL, item text NOT NULL)`); err != nil {
+	if _, err := db.Pool.Exec(context.Background(), `CREATE TABLE `+db.Table("orders")+` (id bigserial PRIMARY KEY, owner text NOT NULL, item text NOT NULL)`); err != nil {
 		t.Fatal(err)
 	}
 }
 
-// orderHandler inserts one order in the middleware's transaction and answers 201 with a body
-// that differs on every execution, plus headers that must and must not be replayed.
-func orderHandler(runs *atomic.Int64) http.HandlerFunc {
+// orderHandler inserts one order into orders (the schema-qualified table) in the middleware's
+// transaction and answers 201 with a body that differs on every execution, plus headers that
+// must and must not be replayed.
+func orderHandler(orders string, runs *atomic.Int64) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		runs.Add(1)
 		ctx := r.Context()
 		body, _ := io.ReadAll(r.Body)
 		var id int64
-		if err := outbox.MustTx(ctx).QueryRow(ctx, `INSERT INTO orders (owner, item) VALUES ($1, $2) RETURNING id`, r.Header.Get("X-User"), string(body)).Scan(&id); err != nil {
+		if err := outbox.MustTx(ctx).QueryRow(ctx, `INSERT INTO `+orders+` (owner, item) VALUES ($1, $2) RETURNING id`, r.Header.Get("X-User"), string(body)).Scan(&id); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
@@ -78,7 +79,7 @@ type fixture struct {
 
 // newFixture serves handler (orderHandler when nil) behind the middleware on a real loopback
 // HTTP server, on a fresh migrated schema with an orders table.
-func newFixture(t *testing.T, cfg idempotency.Config, handler func(*atomic.Int64) http.Handler) *fixture {
+func newFixture(t *testing.T, cfg idempotency.Config, handler func(*testdb.DB, *atomic.Int64) http.Handler) *fixture {
 	t.Helper()
 	f := &fixture{db: testdb.New(t)}
 	createOrders(t, f.db)
@@ -91,9 +92,9 @@ func newFixture(t *testing.T, cfg idempotency.Config, handler func(*atomic.Int64
 		t.Fatal(err)
 	}
 	f.mw = mw
-	h := http.Handler(orderHandler(&f.runs))
+	h := http.Handler(orderHandler(f.db.Table("orders"), &f.runs))
 	if handler != nil {
-		h = handler(&f.runs)
+		h = handler(f.db, &f.runs)
 	}
 	f.srv = httptest.NewServer(mw.Handler(h))
 	t.Cleanup(f.srv.Close)
@@ -161,9 +162,11 @@ func (f *fixture) count(t *testing.T, query string, args ...any) int {
 	return n
 }
 
-func (f *fixture) orders(t *testing.T) int { return f.count(t, `SELECT count(*) FROM orders`) }
+func (f *fixture) orders(t *testing.T) int {
+	return f.count(t, `SELECT count(*) FROM `+f.db.Table("orders"))
+}
 func (f *fixture) records(t *testing.T) int {
-	return f.count(t, `SELECT count(*) FROM idempotency_record`)
+	return f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record"))
 }
 
 func wantProblem(t *testing.T, r response, status int, typ string) {
@@ -207,7 +210,7 @@ func TestReplayIsByteForByteAndHandlerRunsOnce(t *testing.T) {
 		t.Fatalf("%d orders; want 1", n)
 	}
 	// The record expires one retention after it was written, on the database clock.
-	if n := f.count(t, `SELECT count(*) FROM idempotency_record WHERE owner = 'alice' AND idem_key = $1 AND expires_at - created_at = interval '24 hours' AND created_at <= now()`, "8e03978e-40d5-43e8-bc93-6894a57f9324"); n != 1 {
+	if n := f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record")+` WHERE owner = 'alice' AND idem_key = $1 AND expires_at - created_at = interval '24 hours' AND created_at <= now()`, "8e03978e-40d5-43e8-bc93-6894a57f9324"); n != 1 {
 		t.Fatalf("record with a 24h expiry: %d; want 1", n)
 	}
 	// The same key unquoted is the same key.
@@ -252,9 +255,9 @@ func TestKeyReusedWithDifferentRequest(t *testing.T) {
 }
 
 // blockingHandler inserts an order, reports that it started, and waits for release.
-func blockingHandler(started chan<- struct{}, release <-chan struct{}) func(*atomic.Int64) http.Handler {
-	return func(runs *atomic.Int64) http.Handler {
-		inner := orderHandler(runs)
+func blockingHandler(started chan<- struct{}, release <-chan struct{}) func(*testdb.DB, *atomic.Int64) http.Handler {
+	return func(db *testdb.DB, runs *atomic.Int64) http.Handler {
+		inner := orderHandler(db.Table("orders"), runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			select {
 			case started <- struct{}{}:
@@ -316,37 +319,8 @@ func TestInFlightGets409WithRetryAfter(t *testing.T) {
 	if !again.replayed() || !bytes.Equal(again.body, first.body) {
 		t.Fatalf("retry after completion: %d %s", again.status, again.body)
 	}
-	if n := f.count(t, `SELECT count(*) FROM orders WHERE owner = 'alice'`); n != 1 {
+	if n := f.count(t, `SELECT count(*) FROM `+f.db.Table("orders")+` WHERE owner = 'alice'`); n != 1 {
 		t.Fatalf("alice has %d orders; want 1", n)
-	}
-}
-
-// waitForLockWaiters polls pg_locks until n transactions wait for the key's advisory lock.
-func waitForLockWaiters(t *testing.T, f *fixture, owner, key string, n int) {
-	t.Helper()
-	id := uint64(idempotency.LockID(f.db.Schema, owner, key))
-	// A connection of its own: the waiters may hold every connection of the test's pool.
-	ctx := context.Background()
-	conn, err := pgx.Connect(ctx, f.db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		var got int
-		err := conn.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND classid = $1 AND objid = $2 AND objsubid = 1`,
-			int64(id>>32), int64(id&0xffffffff)).Scan(&got)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got >= n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("only %d of %d requests are waiting for the key's lock", got, n)
-		}
-		time.Sleep(10 * time.Millisecond)
 	}
 }
 
@@ -373,7 +347,7 @@ func TestWaitInFlightThenReplay(t *testing.T) {
 		}
 		results <- r
 	}()
-	waitForLockWaiters(t, f, "alice", "k", 1)
+	waitForWaiters(t, f.mw, 1)
 	once.Do(func() { close(release) })
 	a, b := <-results, <-results
 	if a.replayed() == b.replayed() || a.status != http.StatusCreated || b.status != http.StatusCreated || !bytes.Equal(a.body, b.body) {
@@ -467,7 +441,7 @@ func TestConcurrentIdenticalRequestsRunOnce(t *testing.T) {
 					time.Sleep(5 * time.Millisecond)
 				}
 			} else {
-				waitForLockWaiters(t, f, "alice", "same", 1)
+				waitForWaiters(t, f.mw, 1)
 			}
 			once.Do(func() { close(release) })
 			wg.Wait()
@@ -509,13 +483,13 @@ func TestServerErrorRollsBackAndRetryRuns(t *testing.T) {
 	t.Parallel()
 	var fail atomic.Bool
 	fail.Store(true)
-	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
-		inner := orderHandler(runs)
+	f := newFixture(t, idempotency.Config{}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
+		inner := orderHandler(db.Table("orders"), runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if fail.Load() {
 				runs.Add(1)
 				tx := outbox.MustTx(r.Context())
-				if _, err := tx.Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'doomed')`); err != nil {
+				if _, err := tx.Exec(r.Context(), `INSERT INTO `+db.Table("orders")+` (owner, item) VALUES ('alice', 'doomed')`); err != nil {
 					t.Error(err)
 				}
 				http.Error(w, "downstream failed", http.StatusBadGateway)
@@ -542,12 +516,12 @@ func TestPanicRollsBackAndPropagates(t *testing.T) {
 	t.Parallel()
 	var panicking atomic.Bool
 	panicking.Store(true)
-	handler := func(runs *atomic.Int64) http.Handler {
-		inner := orderHandler(runs)
+	handler := func(db *testdb.DB, runs *atomic.Int64) http.Handler {
+		inner := orderHandler(db.Table("orders"), runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if panicking.Load() {
 				tx := outbox.MustTx(r.Context())
-				if _, err := tx.Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'doomed')`); err != nil {
+				if _, err := tx.Exec(r.Context(), `INSERT INTO `+db.Table("orders")+` (owner, item) VALUES ('alice', 'doomed')`); err != nil {
 					t.Error(err)
 				}
 				w.WriteHeader(http.StatusCreated)
@@ -571,7 +545,7 @@ func TestPanicRollsBackAndPropagates(t *testing.T) {
 				t.Fatalf("recovered %v; want the handler's panic", v)
 			}
 		}()
-		f.mw.Handler(handler(&f.runs)).ServeHTTP(rec, req)
+		f.mw.Handler(handler(f.db, &f.runs)).ServeHTTP(rec, req)
 	}()
 	if rec.Flushed || rec.Body.Len() != 0 || len(rec.Header()) != 0 {
 		t.Fatalf("the panicking handler's response leaked: flushed=%v header=%v body=%q", rec.Flushed, rec.Header(), rec.Body)
@@ -616,7 +590,7 @@ func TestResponseLostAfterCommitIsReplayed(t *testing.T) {
 	var runs atomic.Int64
 	var dropNext, dropped atomic.Bool
 	dropNext.Store(true)
-	app := mw.Handler(orderHandler(&runs))
+	app := mw.Handler(orderHandler(db.Table("orders"), &runs))
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if dropNext.CompareAndSwap(true, false) {
 			w = dropAfterCommit{ResponseWriter: w, dropped: &dropped}
@@ -637,7 +611,7 @@ func TestResponseLostAfterCommitIsReplayed(t *testing.T) {
 		t.Fatalf("retry: %d replayed=%v runs=%d orders=%d %s", r.status, r.replayed(), runs.Load(), f.orders(t), r.body)
 	}
 	var id int64
-	if err := db.Pool.QueryRow(context.Background(), `SELECT id FROM orders`).Scan(&id); err != nil {
+	if err := db.Pool.QueryRow(context.Background(), `SELECT id FROM `+db.Table("orders")).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
 	if !strings.Contains(string(r.body), fmt.Sprintf(`"id":%d`, id)) {
@@ -650,7 +624,7 @@ func TestExpiredRecordRunsAsNew(t *testing.T) {
 	f := newFixture(t, idempotency.Config{}, nil)
 	first := f.send(t, "POST", "/orders", "alice", `"k"`, "book")
 	// Expire it on the database clock; the cleaner has not run, the row is still there.
-	if _, err := f.db.Pool.Exec(context.Background(), `UPDATE idempotency_record SET expires_at = now() - interval '1 second'`); err != nil {
+	if _, err := f.db.Pool.Exec(context.Background(), `UPDATE `+f.db.Table("idempotency_record")+` SET expires_at = now() - interval '1 second'`); err != nil {
 		t.Fatal(err)
 	}
 	// Even a different request with the same key runs: an expired record counts as absent.
@@ -665,7 +639,7 @@ func TestExpiredRecordRunsAsNew(t *testing.T) {
 	if r := f.send(t, "POST", "/orders", "alice", `"k"`, "pen"); !r.replayed() || !bytes.Equal(r.body, second.body) {
 		t.Fatalf("replay of the new record: %d %s", r.status, r.body)
 	}
-	if n := f.count(t, `SELECT count(*) FROM idempotency_record WHERE expires_at > now() + interval '23 hours'`); n != 1 {
+	if n := f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record")+` WHERE expires_at > now() + interval '23 hours'`); n != 1 {
 		t.Fatalf("the replacement record does not have a fresh expiry")
 	}
 }
@@ -673,10 +647,10 @@ func TestExpiredRecordRunsAsNew(t *testing.T) {
 func TestLargeResponseSentOnceNotReplayed(t *testing.T) {
 	t.Parallel()
 	big := strings.Repeat("x", 4096)
-	f := newFixture(t, idempotency.Config{MaxStoredResponseBytes: 1024}, func(runs *atomic.Int64) http.Handler {
+	f := newFixture(t, idempotency.Config{MaxStoredResponseBytes: 1024}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
-			if _, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'big')`); err != nil {
+			if _, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO `+db.Table("orders")+` (owner, item) VALUES ('alice', 'big')`); err != nil {
 				t.Error(err)
 			}
 			w.Header().Set("Content-Type", "text/plain")
@@ -701,7 +675,7 @@ func TestLargeResponseSentOnceNotReplayed(t *testing.T) {
 	if f.runs.Load() != 1 || f.orders(t) != 1 {
 		t.Fatalf("runs=%d orders=%d; want 1, 1", f.runs.Load(), f.orders(t))
 	}
-	if n := f.count(t, `SELECT count(*) FROM idempotency_record WHERE body IS NULL AND status = 201`); n != 1 {
+	if n := f.count(t, `SELECT count(*) FROM `+f.db.Table("idempotency_record")+` WHERE body IS NULL AND status = 201`); n != 1 {
 		t.Fatal("the record should keep the status and no body")
 	}
 }
@@ -822,12 +796,12 @@ func TestOwnerFailures(t *testing.T) {
 
 func TestStorePredicate(t *testing.T) {
 	t.Parallel()
-	status := func(runs *atomic.Int64) http.Handler {
+	status := func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			code := 0
 			fmt.Sscan(r.URL.Query().Get("status"), &code)
-			if _, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', $1)`, r.URL.RawQuery); err != nil {
+			if _, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO `+db.Table("orders")+` (owner, item) VALUES ('alice', $1)`, r.URL.RawQuery); err != nil {
 				t.Error(err)
 			}
 			w.WriteHeader(code)
@@ -853,7 +827,7 @@ func TestStorePredicate(t *testing.T) {
 				t.Fatalf("%d attempt %d: %d replayed=%v", code, i, r.status, r.replayed())
 			}
 		}
-		if n := f.count(t, `SELECT count(*) FROM orders WHERE item = $1`, fmt.Sprintf("status=%d", code)); n != 0 {
+		if n := f.count(t, `SELECT count(*) FROM `+f.db.Table("orders")+` WHERE item = $1`, fmt.Sprintf("status=%d", code)); n != 0 {
 			t.Fatalf("%d: %d business rows kept; want 0 (rolled back)", code, n)
 		}
 	}
@@ -894,8 +868,8 @@ func TestCanonicalJSONOption(t *testing.T) {
 func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	t.Parallel()
 	leakedc := make(chan pgx.Tx, 1)
-	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
-		inner := orderHandler(runs)
+	f := newFixture(t, idempotency.Config{}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
+		inner := orderHandler(db.Table("orders"), runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			tx := outbox.MustTx(r.Context())
 			leakedc <- tx
@@ -907,7 +881,7 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 			}
 			// Savepoints still work inside the request transaction.
 			err := pgx.BeginFunc(r.Context(), tx, func(sp pgx.Tx) error {
-				_, err := sp.Exec(r.Context(), `INSERT INTO orders (owner, item) VALUES ('alice', 'savepoint')`)
+				_, err := sp.Exec(r.Context(), `INSERT INTO `+db.Table("orders")+` (owner, item) VALUES ('alice', 'savepoint')`)
 				return err
 			})
 			if err != nil {
@@ -924,7 +898,7 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	}
 	// A reference kept past the handler's return cannot reach the pooled connection.
 	leaked := <-leakedc
-	if _, err := leaked.Exec(context.Background(), `INSERT INTO orders (owner, item) VALUES ('alice', 'late')`); !errors.Is(err, pgx.ErrTxClosed) {
+	if _, err := leaked.Exec(context.Background(), `INSERT INTO `+f.db.Table("orders")+` (owner, item) VALUES ('alice', 'late')`); !errors.Is(err, pgx.ErrTxClosed) {
 		t.Fatalf("Exec on a leaked transaction = %v; want ErrTxClosed", err)
 	}
 	if err := leaked.QueryRow(context.Background(), `SELECT 1`).Scan(new(int)); !errors.Is(err, pgx.ErrTxClosed) {
@@ -940,10 +914,10 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 // unique violation and the pipelined COMMIT must not run.
 func TestStoreFailureRollsBackEverything(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idempotency.Config{RetryAfter: 3 * time.Second}, func(runs *atomic.Int64) http.Handler {
-		inner := orderHandler(runs)
+	f := newFixture(t, idempotency.Config{RetryAfter: 3 * time.Second}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
+		inner := orderHandler(db.Table("orders"), runs)
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			_, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO idempotency_record (owner, idem_key, fingerprint, status, expires_at)
+			_, err := outbox.MustTx(r.Context()).Exec(r.Context(), `INSERT INTO `+db.Table("idempotency_record")+` (owner, idem_key, fingerprint, status, expires_at)
 				VALUES ('alice', 'k', '\x00', 200, now() + interval '1 hour')`)
 			if err != nil {
 				t.Error(err)
@@ -968,7 +942,7 @@ func TestOutboxEventsShareTheTransaction(t *testing.T) {
 	t.Parallel()
 	var fail atomic.Bool
 	var writer *outbox.Writer
-	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
+	f := newFixture(t, idempotency.Config{}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			msg := outbox.NewMessage([]byte(`{"order":"book"}`))
@@ -991,7 +965,7 @@ func TestOutboxEventsShareTheTransaction(t *testing.T) {
 	}
 	fail.Store(true)
 	f.send(t, "POST", "/orders", "alice", `"k"`, "")
-	if n := f.count(t, `SELECT count(*) FROM outbox`); n != 0 {
+	if n := f.count(t, `SELECT count(*) FROM `+f.db.Table("outbox")); n != 0 {
 		t.Fatalf("%d events survived a 500; want 0", n)
 	}
 	fail.Store(false)
@@ -1000,7 +974,7 @@ func TestOutboxEventsShareTheTransaction(t *testing.T) {
 			t.Fatalf("%d %s", r.status, r.body)
 		}
 	}
-	if n := f.count(t, `SELECT count(*) FROM outbox`); n != 1 {
+	if n := f.count(t, `SELECT count(*) FROM `+f.db.Table("outbox")); n != 1 {
 		t.Fatalf("%d events after a success and two replays; want 1", n)
 	}
 }
@@ -1035,7 +1009,7 @@ func TestMetricsOutcomes(t *testing.T) {
 
 func TestWaitInFlightLeavesLockTimeoutAlone(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idempotency.Config{WaitInFlight: time.Minute}, func(runs *atomic.Int64) http.Handler {
+	f := newFixture(t, idempotency.Config{WaitInFlight: time.Minute}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			var v string
@@ -1056,7 +1030,7 @@ func TestWaitInFlightLeavesLockTimeoutAlone(t *testing.T) {
 
 func TestImplicitStatusAndSniffedTypeReplayAlike(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
+	f := newFixture(t, idempotency.Config{}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			if r.URL.Path == "/html" {
@@ -1082,7 +1056,7 @@ func TestImplicitStatusAndSniffedTypeReplayAlike(t *testing.T) {
 // gets no Content-Type on its first response; the replay must not gain a sniffed one.
 func TestSuppressedContentTypeReplaysAlike(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idempotency.Config{}, func(runs *atomic.Int64) http.Handler {
+	f := newFixture(t, idempotency.Config{}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			w.Header()["Content-Type"] = nil // net/http: do not sniff
@@ -1108,7 +1082,7 @@ func TestSuppressedContentTypeReplaysAlike(t *testing.T) {
 // different commands, and a key reused across them is refused, not replayed.
 func TestCanonicalJSONKeepsLossyStringsApart(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, idempotency.Config{CanonicalJSON: true}, func(runs *atomic.Int64) http.Handler {
+	f := newFixture(t, idempotency.Config{CanonicalJSON: true}, func(db *testdb.DB, runs *atomic.Int64) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			runs.Add(1)
 			w.WriteHeader(http.StatusCreated)

@@ -6,6 +6,7 @@ import (
 	"slices"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/migrations"
@@ -100,4 +101,30 @@ func (ib *Inbox) dbError(what string, err error) error {
 			ib.cfg.Consumer, what, migrations.ErrNotMigrated, ib.cfg.Schema, ib.cfg.Schema, err)
 	}
 	return fmt.Errorf("inbox: consumer %q: %s: %w", ib.cfg.Consumer, what, err)
+}
+
+// QueueClaim queues the claim of one key into b, for a caller that pipelines it with its own
+// statements in one round trip (tx.SendBatch(ctx, b)); once the batch has run, *claimed
+// reports whether the key was new, as ClaimTx would. The key is checked now: a malformed one
+// is refused with ErrNoKey and nothing is queued.
+func (ib *Inbox) QueueClaim(b *pgx.Batch, key string, claimed *bool) error {
+	if _, err := checkKey(key); err != nil {
+		return fmt.Errorf("inbox: consumer %q: %w", ib.cfg.Consumer, err)
+	}
+	b.Queue(ib.claimOneSQL, ib.cfg.Consumer, key).Exec(func(tag pgconn.CommandTag) error {
+		*claimed = tag.RowsAffected() == 1
+		return nil
+	})
+	return nil
+}
+
+// QueueSeen queues SeenTx's lookup of key into b; once the batch has run, *seen reports
+// whether the key is recorded. Like SeenTx it records nothing and does not wait for
+// uncommitted claims of other transactions.
+func (ib *Inbox) QueueSeen(b *pgx.Batch, key string, seen *bool) error {
+	if _, err := checkKey(key); err != nil {
+		return fmt.Errorf("inbox: consumer %q: %w", ib.cfg.Consumer, err)
+	}
+	b.Queue(ib.seenSQL, ib.cfg.Consumer, key).QueryRow(func(row pgx.Row) error { return row.Scan(seen) })
+	return nil
 }

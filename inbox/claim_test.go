@@ -158,7 +158,7 @@ func TestClaimTxConcurrentOverlap(t *testing.T) {
 	a := []string{"event:1", "event:2", "event:3", "event:4"}
 	b := []string{"event:4", "event:3", "event:2", "event:5"} // reverse order on purpose
 	for round := 0; round < 20; round++ {
-		if _, err := f.db.Pool.Exec(ctx, `DELETE FROM processed_event`); err != nil {
+		if _, err := f.db.Pool.Exec(ctx, `DELETE FROM `+f.db.Table("processed_event")); err != nil {
 			t.Fatal(err)
 		}
 		results := make(chan map[string]bool, 2)
@@ -223,5 +223,42 @@ func TestUnmigratedSchema(t *testing.T) {
 	}
 	if err := ib.CheckSchema(ctx); err != nil {
 		t.Fatalf("CheckSchema after Up = %v", err)
+	}
+}
+
+// QueueClaim and QueueSeen pipeline the core's statements with the caller's own, with the
+// same answers as ClaimTx and SeenTx.
+func TestQueueClaimAndSeen(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, nil)
+	ctx := context.Background()
+	err := pgx.BeginFunc(ctx, f.db.Pool, func(tx pgx.Tx) error {
+		var first, second, seenBefore, seenAfter bool
+		b := &pgx.Batch{}
+		if err := f.ib.QueueSeen(b, "event:q", &seenBefore); err != nil {
+			return err
+		}
+		if err := f.ib.QueueClaim(b, "event:q", &first); err != nil {
+			return err
+		}
+		if err := f.ib.QueueClaim(b, "event:q", &second); err != nil {
+			return err
+		}
+		if err := f.ib.QueueSeen(b, "event:q", &seenAfter); err != nil {
+			return err
+		}
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return err
+		}
+		if seenBefore || !first || second || !seenAfter {
+			t.Errorf("seen before %v, first claim %v, second claim %v, seen after %v", seenBefore, first, second, seenAfter)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.ib.QueueClaim(&pgx.Batch{}, "", new(bool)); !errors.Is(err, inbox.ErrNoKey) {
+		t.Fatalf("empty key: %v", err)
 	}
 }

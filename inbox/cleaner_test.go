@@ -65,7 +65,7 @@ func lazyPool(t *testing.T) *pgxpool.Pool {
 
 func insertDedupRows(t *testing.T, db *testdb.DB, consumer string, n int, age time.Duration) {
 	t.Helper()
-	_, err := db.Pool.Exec(context.Background(), `INSERT INTO processed_event (consumer, dedup_key, processed_at)
+	_, err := db.Pool.Exec(context.Background(), `INSERT INTO `+db.Table("processed_event")+` (consumer, dedup_key, processed_at)
 		SELECT $1, $4 || '-' || g, now() - make_interval(secs => $3) FROM generate_series(1, $2) g`,
 		consumer, n, age.Seconds(), consumer+"-"+age.String())
 	if err != nil {
@@ -92,7 +92,7 @@ func TestCleanerDeletesOnlyExpiredRowsInBatches(t *testing.T) {
 	}
 	defer holder.Rollback(ctx)
 	var lockedKey string
-	if err := holder.QueryRow(ctx, `SELECT dedup_key FROM processed_event WHERE consumer = 'b' AND processed_at < now() - interval '72 hours' LIMIT 1 FOR UPDATE`).Scan(&lockedKey); err != nil {
+	if err := holder.QueryRow(ctx, `SELECT dedup_key FROM `+db.Table("processed_event")+` WHERE consumer = 'b' AND processed_at < now() - interval '72 hours' LIMIT 1 FOR UPDATE`).Scan(&lockedKey); err != nil {
 		t.Fatal(err)
 	}
 
@@ -123,10 +123,10 @@ func TestCleanerDeletesOnlyExpiredRowsInBatches(t *testing.T) {
 	if sum != 34 || len(rec.batches) < 5 {
 		t.Fatalf("batches %v", rec.batches)
 	}
-	if got := f.count(`SELECT count(*) FROM processed_event WHERE processed_at < now() - interval '72 hours'`); got != 1 {
+	if got := f.count(`SELECT count(*) FROM ` + f.db.Table("processed_event") + ` WHERE processed_at < now() - interval '72 hours'`); got != 1 {
 		t.Fatalf("%d expired rows left, want only the locked one", got)
 	}
-	if got := f.count(`SELECT count(*) FROM processed_event WHERE processed_at >= now() - interval '72 hours'`); got != 20 {
+	if got := f.count(`SELECT count(*) FROM ` + f.db.Table("processed_event") + ` WHERE processed_at >= now() - interval '72 hours'`); got != 20 {
 		t.Fatalf("%d young rows left, want 20", got)
 	}
 	if err := holder.Rollback(ctx); err != nil {
@@ -135,7 +135,7 @@ func TestCleanerDeletesOnlyExpiredRowsInBatches(t *testing.T) {
 	if n, err := c.Clean(ctx); err != nil || n != 1 {
 		t.Fatalf("second run deleted %d (%v), want the formerly locked row", n, err)
 	}
-	if got := f.count(`SELECT count(*) FROM processed_event WHERE dedup_key = $1`, lockedKey); got != 0 {
+	if got := f.count(`SELECT count(*) FROM `+f.db.Table("processed_event")+` WHERE dedup_key = $1`, lockedKey); got != 0 {
 		t.Fatal("locked row survived the second run")
 	}
 }
@@ -155,7 +155,7 @@ func TestCleanerPerConsumerAndSchedule(t *testing.T) {
 	if n, err := c.Clean(ctx); err != nil || n != 4 {
 		t.Fatalf("deleted %d (%v), want b's 4 rows", n, err)
 	}
-	if f.count(`SELECT count(*) FROM processed_event WHERE consumer = 'a'`) != 3 {
+	if f.count(`SELECT count(*) FROM `+f.db.Table("processed_event")+` WHERE consumer = 'a'`) != 3 {
 		t.Fatal("another consumer's rows were deleted")
 	}
 

@@ -54,7 +54,7 @@ func TestRecommendedMiddlewareOrder(t *testing.T) {
 		attempts[string(msg.Payload)]++
 		n := attempts[string(msg.Payload)]
 		mu.Unlock()
-		if err := applyEffect(msg, string(msg.Payload)); err != nil {
+		if err := f.applyEffect(msg, string(msg.Payload)); err != nil {
 			return err
 		}
 		switch string(msg.Payload) {
@@ -152,7 +152,7 @@ func TestTimeoutInsideRetryNeedsResetContext(t *testing.T) {
 			<-msg.Context().Done()
 			return nil, msg.Context().Err()
 		}
-		return nil, applyEffect(msg, "")
+		return nil, f.applyEffect(msg, "")
 	}
 	for _, reset := range []bool{false, true} {
 		attempts = 0

@@ -47,7 +47,7 @@ func createEffectTable(t *testing.T, db *testdb.DB) {
 	t.Helper()
 	// No unique constraint on purpose: an effect applied twice shows up as two rows.
 	if _, err := db.Pool.Exec(context.Background(),
-		`CREATE TABLE effect (id bigserial PRIMARY KEY, msg_uuid text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
+		`CREATE TABLE `+db.Table("effect")+` (id bigserial PRIMARY KEY, msg_uuid text NOT NULL, note text NOT NULL DEFAULT '')`); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -66,8 +66,8 @@ func (f *fixture) newInbox(mod func(*inbox.Config)) *inbox.Inbox {
 }
 
 // applyEffect is the handlers' effect: one row in the inbox transaction.
-func applyEffect(msg *message.Message, note string) error {
-	_, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO effect (msg_uuid, note) VALUES ($1, $2)`, msg.UUID, note)
+func (f *fixture) applyEffect(msg *message.Message, note string) error {
+	_, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO `+f.db.Table("effect")+` (msg_uuid, note) VALUES ($1, $2)`, msg.UUID, note)
 	return err
 }
 
@@ -81,14 +81,16 @@ func (f *fixture) count(sql string, args ...any) int {
 }
 
 func (f *fixture) effects(uuid string) int {
-	return f.count(`SELECT count(*) FROM effect WHERE msg_uuid = $1`, uuid)
+	return f.count(`SELECT count(*) FROM `+f.db.Table("effect")+` WHERE msg_uuid = $1`, uuid)
 }
 
-func (f *fixture) dedupRows() int { return f.count(`SELECT count(*) FROM processed_event`) }
+func (f *fixture) dedupRows() int {
+	return f.count(`SELECT count(*) FROM ` + f.db.Table("processed_event"))
+}
 
 func (f *fixture) outboxRows() []outboxRow {
 	f.t.Helper()
-	rows, err := f.db.Pool.Query(context.Background(), `SELECT event_id::text, topic, partition_key, payload, metadata FROM outbox ORDER BY id`)
+	rows, err := f.db.Pool.Query(context.Background(), `SELECT event_id::text, topic, partition_key, payload, metadata FROM `+f.db.Table("outbox")+` ORDER BY id`)
 	if err != nil {
 		f.t.Fatal(err)
 	}

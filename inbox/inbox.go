@@ -39,9 +39,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
+	"weak"
 
 	"github.com/onceflow/onceflow/internal/config"
 
@@ -61,10 +65,18 @@ const MaxConsumerBytes = 200
 // cancelled or timed-out message still releases its connection cleanly.
 const rollbackTimeout = 10 * time.Second
 
+// DefaultCommitTimeout is the default Config.CommitTimeout.
+const DefaultCommitTimeout = 30 * time.Second
+
 // Config configures an Inbox. Pool and Consumer are required; every other field has a default.
 type Config struct {
-	// Pool opens one transaction per message. Required. Size it for the number of messages
-	// handled at once (with watermill-kafka: one per assigned partition).
+	// Pool opens one transaction per message. Required. Each message in flight holds one of
+	// its connections, and the inbox always leaves one free for handlers that also use Pool
+	// (pool.QueryRow, a pool.Begin of their own), so that they cannot wait forever for a
+	// connection while every message holds one: at most MaxConns − 1 messages run at once
+	// across every Inbox on the pool, and a pool of one connection is refused. Size it for
+	// the messages handled at once (with watermill-kafka: one per assigned partition) plus
+	// one; see docs/inbox.md, "Pool sizing".
 	Pool *pgxpool.Pool
 	// Schema holds processed_event (and the outbox, unless Writer says otherwise).
 	// Default "onceflow". Must be a plain lower-case identifier.
@@ -86,12 +98,20 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics counts processed, duplicate, failed and keyless messages. Default NopMetrics{}.
 	Metrics Metrics
+	// CommitTimeout bounds what follows a successful handler: writing the messages it returned
+	// and the commit. Both run on a context detached from the message's cancellation (and
+	// deadline), because watermill-kafka cancels the message's context when the subscriber
+	// closes or the partition is revoked, and middleware.Timeout when its time is up: work
+	// that succeeded should commit, not be thrown away and redone after the redelivery.
+	// Default DefaultCommitTimeout (30 s); negative is refused.
+	CommitTimeout time.Duration
 }
 
 // Inbox is the deduplicating middleware of one consumer. It is safe for concurrent use; the
 // router runs it for many messages at once.
 type Inbox struct {
 	cfg                                Config
+	slots                              *connSlots // of cfg.Pool, shared with other Inboxes on it
 	claimOneSQL, claimManySQL, seenSQL string
 	errManaged                         error // what Commit and Rollback on the handler's view return
 }
@@ -102,14 +122,23 @@ func New(cfg Config) (*Inbox, error) {
 		cfg.Schema = pgsql.DefaultSchema
 	}
 	var problems []error
+	var maxConns int32
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool of the database holding processed_event"))
+	} else if maxConns = cfg.Pool.Config().MaxConns; maxConns < 2 {
+		problems = append(problems, fmt.Errorf("Pool's MaxConns is %d; the inbox holds one connection per message in flight and keeps one free "+
+			"for handlers that use the pool themselves (else they could wait for a connection forever): set pool_max_conns (or MaxConns) to at least 2", maxConns))
 	}
 	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
 		problems = append(problems, err)
 	}
 	if err := validateConsumer(cfg.Consumer); err != nil {
 		problems = append(problems, err)
+	}
+	if cfg.CommitTimeout < 0 {
+		problems = append(problems, fmt.Errorf("CommitTimeout is %s; use 0 for the default (%s) or a positive bound", cfg.CommitTimeout, DefaultCommitTimeout))
+	} else if cfg.CommitTimeout == 0 {
+		cfg.CommitTimeout = DefaultCommitTimeout
 	}
 	if cfg.NoKeyPolicy != RejectNoKey && cfg.NoKeyPolicy != DropNoKey {
 		problems = append(problems, fmt.Errorf("NoKeyPolicy is %v; use inbox.RejectNoKey (default) or inbox.DropNoKey", cfg.NoKeyPolicy))
@@ -136,7 +165,8 @@ func New(cfg Config) (*Inbox, error) {
 	cfg.Logger = cfg.Logger.With("consumer", cfg.Consumer)
 	table := pgsql.Table(cfg.Schema, "processed_event")
 	return &Inbox{
-		cfg: cfg,
+		cfg:   cfg,
+		slots: slotsOf(cfg.Pool, maxConns),
 		// ON CONFLICT DO NOTHING rather than catching a unique violation: an error would abort
 		// the transaction, and a concurrent delivery of the same key waits here on the first
 		// one's uncommitted row, then sees it (0 rows: skip) or inserts if the first rolled back.
@@ -189,6 +219,13 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 	}
 
 	start := time.Now()
+	// A connection slot first (see Config.Pool), given back after the transaction ended: the
+	// deferred release below runs after the deferred rollback.
+	if err := ib.slots.acquire(orig); err != nil {
+		ib.cfg.Metrics.Failed(ib.cfg.Consumer)
+		return nil, fmt.Errorf("inbox: consumer %q: wait for a connection of the pool: %w", ib.cfg.Consumer, err)
+	}
+	defer ib.slots.release()
 	tx, err := ib.cfg.Pool.Begin(orig)
 	if err != nil {
 		ib.cfg.Metrics.Failed(ib.cfg.Consumer)
@@ -219,20 +256,33 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 
 	// The handler gets a view of tx that cannot end it: a handler that committed would commit
 	// the dedup row without the messages it returns, whose redelivery is then skipped.
-	view, closeView := pgsql.ManagedTx(tx, ib.errManaged)
+	view, viewDone := pgsql.ManagedTx(tx, ib.errManaged)
 	msg.SetContext(outbox.ContextWithTx(orig, view))
 	produced, err := h(msg)
-	closeView() // whatever the handler kept a reference to
+	// Closes the view, whatever the handler kept a reference to, and says whether the handler
+	// tried to end the transaction with SQL (refused), ended it around the view, or left it
+	// aborted: then the attempt fails and nothing more is written.
+	viewErr := viewDone()
 	if err != nil {
 		// Returned unwrapped so errors.Is/As and poison-queue reasons see the handler's error.
 		return nil, err
 	}
+	if viewErr != nil {
+		if errors.Is(viewErr, outbox.ErrTxManaged) {
+			ib.cfg.Logger.Error("inbox: the handler tried to end its transaction; the message fails", "message_uuid", msg.UUID, "err", viewErr)
+		}
+		return nil, fmt.Errorf("inbox: consumer %q, message %q: %w", ib.cfg.Consumer, msg.UUID, viewErr)
+	}
+	// The handler succeeded: from here on the message's cancellation no longer applies (see
+	// Config.CommitTimeout). Its values (trace context, the publish topic) still do.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(orig), ib.cfg.CommitTimeout)
+	defer cancel()
 	if len(produced) > 0 {
-		if err := ib.writeProduced(orig, tx, produced); err != nil {
+		if err := ib.writeProduced(cctx, tx, produced); err != nil {
 			return nil, err
 		}
 	}
-	if err := tx.Commit(orig); err != nil {
+	if err := tx.Commit(cctx); err != nil {
 		// The outcome of a failed COMMIT can be unknown (connection lost after sending it).
 		// Failing the message is safe either way: if it did commit, the redelivery finds the
 		// dedup row and is skipped.
@@ -329,3 +379,56 @@ func (OutboxOnly) Publish(string, ...*message.Message) error { return ErrRouterP
 
 // Close implements message.Publisher.
 func (OutboxOnly) Close() error { return nil }
+
+// connSlots bounds the messages that hold a connection of one pool for their transaction, to
+// the pool's MaxConns − 1, across every Inbox on that pool. The connection left over is what
+// makes a handler that takes one more connection from the same pool safe: without it, a full
+// set of messages in flight would each hold a connection and wait for another, forever.
+type connSlots struct {
+	ch      chan struct{}
+	waiting atomic.Int64 // messages waiting for a slot, for tests
+}
+
+// acquire takes a slot, waiting while every slot is taken, until ctx ends.
+func (s *connSlots) acquire(ctx context.Context) error {
+	select {
+	case s.ch <- struct{}{}:
+		return nil
+	default:
+	}
+	s.waiting.Add(1)
+	defer s.waiting.Add(-1)
+	select {
+	case s.ch <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (s *connSlots) release() { <-s.ch }
+
+// poolSlots holds the slots of each pool an Inbox was built on. The pools are held weakly:
+// a pool that is no longer referenced takes its entry with it.
+var poolSlots = struct {
+	sync.Mutex
+	m map[weak.Pointer[pgxpool.Pool]]*connSlots
+}{m: map[weak.Pointer[pgxpool.Pool]]*connSlots{}}
+
+// slotsOf returns the slots shared by every Inbox on pool, for a pool of maxConns ≥ 2.
+func slotsOf(pool *pgxpool.Pool, maxConns int32) *connSlots {
+	key := weak.Make(pool)
+	poolSlots.Lock()
+	defer poolSlots.Unlock()
+	if s := poolSlots.m[key]; s != nil {
+		return s
+	}
+	s := &connSlots{ch: make(chan struct{}, maxConns-1)}
+	poolSlots.m[key] = s
+	runtime.AddCleanup(pool, func(key weak.Pointer[pgxpool.Pool]) {
+		poolSlots.Lock()
+		delete(poolSlots.m, key)
+		poolSlots.Unlock()
+	}, key)
+	return s
+}

@@ -29,7 +29,7 @@ func TestDuplicateDeliveriesApplyOnce(t *testing.T) {
 	var calls atomic.Int32
 	h := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
 		calls.Add(1)
-		return nil, applyEffect(msg, "")
+		return nil, f.applyEffect(msg, "")
 	})
 	msg := outbox.NewMessage([]byte(`{"order":1}`))
 	for i := range 5 {
@@ -48,7 +48,7 @@ func TestDuplicateDeliveriesApplyOnce(t *testing.T) {
 		t.Fatalf("metrics %+v, want 1 processed, 4 duplicates", s)
 	}
 	var consumer, key string
-	if err := f.db.Pool.QueryRow(context.Background(), `SELECT consumer, dedup_key FROM processed_event`).Scan(&consumer, &key); err != nil {
+	if err := f.db.Pool.QueryRow(context.Background(), `SELECT consumer, dedup_key FROM `+f.db.Table("processed_event")).Scan(&consumer, &key); err != nil {
 		t.Fatal(err)
 	}
 	if consumer != "billing" || key != "event:"+msg.UUID {
@@ -56,13 +56,13 @@ func TestDuplicateDeliveriesApplyOnce(t *testing.T) {
 	}
 	// A second consumer of the same topic is independent: it applies the message once too.
 	other := f.newInbox(func(c *inbox.Config) { c.Consumer = "shipping" })
-	h2 := other.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, applyEffect(msg, "shipping") })
+	h2 := other.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, f.applyEffect(msg, "shipping") })
 	for range 2 {
 		if _, err := h2(msg.Copy()); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if n := f.count(`SELECT count(*) FROM effect WHERE note = 'shipping'`); n != 1 {
+	if n := f.count(`SELECT count(*) FROM ` + f.db.Table("effect") + ` WHERE note = 'shipping'`); n != 1 {
 		t.Fatalf("second consumer applied %d times, want 1", n)
 	}
 }
@@ -83,7 +83,7 @@ func TestConcurrentDeliveryWaitsThenSkips(t *testing.T) {
 			var calls atomic.Int32
 			handler := func(msg *message.Message) ([]*message.Message, error) {
 				n := calls.Add(1)
-				if err := applyEffect(msg, fmt.Sprint("call ", n)); err != nil {
+				if err := f.applyEffect(msg, fmt.Sprint("call ", n)); err != nil {
 					return nil, err
 				}
 				if n == 1 {
@@ -129,7 +129,7 @@ func TestConcurrentDeliveryWaitsThenSkips(t *testing.T) {
 				if calls.Load() != 2 || s.Processed != 1 || s.Failures != 1 || s.Duplicates != 0 {
 					t.Fatalf("calls %d, metrics %+v: want the second copy to run after the first rolled back", calls.Load(), s)
 				}
-				if n := f.count(`SELECT count(*) FROM effect WHERE note = 'call 2'`); n != 1 {
+				if n := f.count(`SELECT count(*) FROM ` + f.db.Table("effect") + ` WHERE note = 'call 2'`); n != 1 {
 					t.Fatal("the surviving effect is not the second copy's")
 				}
 			} else if calls.Load() != 1 || s.Processed != 1 || s.Duplicates != 1 {
@@ -162,10 +162,10 @@ func TestRetryFreshTransactionPerAttempt(t *testing.T) {
 			txids[txid] = true
 			mu.Unlock()
 			// Seen from another connection, earlier failed attempts left nothing committed.
-			if got := f.count(`SELECT count(*) FROM processed_event WHERE dedup_key = $1`, "event:"+msg.UUID) + f.effects(msg.UUID); got != 0 {
+			if got := f.count(`SELECT count(*) FROM `+f.db.Table("processed_event")+` WHERE dedup_key = $1`, "event:"+msg.UUID) + f.effects(msg.UUID); got != 0 {
 				return nil, fmt.Errorf("attempt %d sees %d committed rows from failed attempts", n, got)
 			}
-			if err := applyEffect(msg, ""); err != nil {
+			if err := f.applyEffect(msg, ""); err != nil {
 				return nil, err
 			}
 			if n <= failures {
@@ -219,7 +219,7 @@ func TestPanicRollsBack(t *testing.T) {
 	f := newFixture(t, nil)
 	msg := outbox.NewMessage([]byte("x"))
 	h := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		if err := applyEffect(msg, ""); err != nil {
+		if err := f.applyEffect(msg, ""); err != nil {
 			return nil, err
 		}
 		panic("boom")
@@ -246,7 +246,7 @@ func TestPanicRollsBack(t *testing.T) {
 	if n := f.db.Pool.Stat().AcquiredConns(); n != 0 {
 		t.Fatalf("%d connections still acquired after the panics", n)
 	}
-	ok := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, applyEffect(msg, "") })
+	ok := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) { return nil, f.applyEffect(msg, "") })
 	if _, err := ok(msg.Copy()); err != nil || f.effects(msg.UUID) != 1 {
 		t.Fatalf("redelivery after the panic: %v, effects %d", err, f.effects(msg.UUID))
 	}
@@ -262,7 +262,7 @@ func TestHandlerEventsInOutboxIffCommitted(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, nil)
-	if _, err := f.db.Pool.Exec(ctx, `CREATE TABLE deferred_check (v int UNIQUE DEFERRABLE INITIALLY DEFERRED); INSERT INTO deferred_check VALUES (1)`); err != nil {
+	if _, err := f.db.Pool.Exec(ctx, `CREATE TABLE `+f.db.Table("deferred_check")+` (v int UNIQUE DEFERRABLE INITIALLY DEFERRED); INSERT INTO `+f.db.Table("deferred_check")+` VALUES (1)`); err != nil {
 		t.Fatal(err)
 	}
 	bus, err := cqrs.NewEventBusWithConfig(f.ib.Config().Writer.ContextPublisher(), cqrs.EventBusConfig{
@@ -275,7 +275,7 @@ func TestHandlerEventsInOutboxIffCommitted(t *testing.T) {
 	// The handler's behaviour after emitting its events is chosen by the payload.
 	var emitted []*message.Message
 	h := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		if err := applyEffect(msg, ""); err != nil {
+		if err := f.applyEffect(msg, ""); err != nil {
 			return nil, err
 		}
 		if err := bus.Publish(msg.Context(), &InvoiceRequested{OrderID: 7}); err != nil {
@@ -291,7 +291,7 @@ func TestHandlerEventsInOutboxIffCommitted(t *testing.T) {
 			return emitted, errors.New("handler failed after emitting")
 		case "commit fails":
 			// Violates a deferred constraint: the error surfaces only at COMMIT.
-			if _, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO deferred_check VALUES (1)`); err != nil {
+			if _, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO `+f.db.Table("deferred_check")+` VALUES (1)`); err != nil {
 				return nil, err
 			}
 		case "invalid event":
@@ -369,7 +369,7 @@ func TestRouterPublishTopicThroughOutbox(t *testing.T) {
 	}
 	router.AddMiddleware(f.ib.Middleware)
 	router.AddHandler("billing", "orders", pubsub, "invoices", inbox.OutboxOnly{}, func(msg *message.Message) ([]*message.Message, error) {
-		if err := applyEffect(msg, ""); err != nil {
+		if err := f.applyEffect(msg, ""); err != nil {
 			return nil, err
 		}
 		return []*message.Message{
@@ -423,7 +423,7 @@ func TestSagaKeys(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, nil)
 	h := f.ib.Middleware(func(msg *message.Message) ([]*message.Message, error) {
-		return nil, applyEffect(msg, msg.Metadata.Get(outbox.MetadataSagaStep)+"/"+msg.Metadata.Get(outbox.MetadataSagaPhase))
+		return nil, f.applyEffect(msg, msg.Metadata.Get(outbox.MetadataSagaStep)+"/"+msg.Metadata.Get(outbox.MetadataSagaPhase))
 	})
 	saga := outbox.NewUUID()
 	step := func(step, phase string) *message.Message {
@@ -452,7 +452,7 @@ func TestSagaKeys(t *testing.T) {
 		}
 	}
 	got := map[string]int{}
-	rows, _ := f.db.Pool.Query(context.Background(), `SELECT note FROM effect`)
+	rows, _ := f.db.Pool.Query(context.Background(), `SELECT note FROM `+f.db.Table("effect"))
 	notes, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
 		t.Fatal(err)
@@ -469,7 +469,7 @@ func TestSagaKeys(t *testing.T) {
 	}
 	// Another saga with the same step names is a different key.
 	saga = outbox.NewUUID()
-	if _, err := h(step("reserve", "action")); err != nil || f.count(`SELECT count(*) FROM effect`) != 5 {
+	if _, err := h(step("reserve", "action")); err != nil || f.count(`SELECT count(*) FROM `+f.db.Table("effect")) != 5 {
 		t.Fatalf("step of another saga: err %v", err)
 	}
 }
@@ -480,7 +480,10 @@ func TestNoKeyPolicy(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, nil)
 	var calls atomic.Int32
-	handler := func(msg *message.Message) ([]*message.Message, error) { calls.Add(1); return nil, applyEffect(msg, "") }
+	handler := func(msg *message.Message) ([]*message.Message, error) {
+		calls.Add(1)
+		return nil, f.applyEffect(msg, "")
+	}
 	sagaNoStep := outbox.NewMessage([]byte("x"))
 	sagaNoStep.Metadata.Set(outbox.MetadataSagaID, "s-1")
 	keyless := []*message.Message{message.NewMessage("", []byte("x")), sagaNoStep}
@@ -524,7 +527,7 @@ func TestNoKeyPolicy(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if calls.Load() != 1 || f.count(`SELECT count(*) FROM processed_event WHERE dedup_key = 'order-1'`) != 1 {
+	if calls.Load() != 1 || f.count(`SELECT count(*) FROM `+f.db.Table("processed_event")+` WHERE dedup_key = 'order-1'`) != 1 {
 		t.Fatalf("custom key: %d calls", calls.Load())
 	}
 }
@@ -556,11 +559,11 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 		ctx := msg.Context()
 		tx := outbox.MustTx(ctx)
 		defer tx.Rollback(ctx) // the pgx idiom for a transaction one owns: must change nothing
-		if err := applyEffect(msg, ""); err != nil {
+		if err := f.applyEffect(msg, ""); err != nil {
 			return nil, err
 		}
 		// Savepoints are the handler's to end.
-		if err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return applyEffect(msg, "savepoint") }); err != nil {
+		if err := pgx.BeginFunc(ctx, tx, func(sp pgx.Tx) error { return f.applyEffect(msg, "savepoint") }); err != nil {
 			return nil, err
 		}
 		if err := tx.Commit(ctx); !errors.Is(err, outbox.ErrTxManaged) {
@@ -586,7 +589,7 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	}
 	// A reference kept past the handler's return cannot write on the pooled connection.
 	tx := <-leaked
-	if _, err := tx.Exec(context.Background(), `INSERT INTO effect (msg_uuid) VALUES ('late')`); !errors.Is(err, pgx.ErrTxClosed) {
+	if _, err := tx.Exec(context.Background(), `INSERT INTO `+f.db.Table("effect")+` (msg_uuid) VALUES ('late')`); !errors.Is(err, pgx.ErrTxClosed) {
 		t.Fatalf("Exec on a leaked transaction = %v; want ErrTxClosed", err)
 	}
 }

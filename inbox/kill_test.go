@@ -229,7 +229,7 @@ func TestKafkaConsumerKilledAroundCommit(t *testing.T) {
 		return msg.UUID
 	}
 	dedupRow := func(uuid string) int {
-		return f.count(`SELECT count(*) FROM processed_event WHERE consumer = 'kill-test' AND dedup_key = $1`, "event:"+uuid)
+		return f.count(`SELECT count(*) FROM `+f.db.Table("processed_event")+` WHERE consumer = 'kill-test' AND dedup_key = $1`, "event:"+uuid)
 	}
 
 	// 1. Killed right after the inbox commit, before the ack: the effect is durable, the
@@ -283,7 +283,7 @@ func TestKafkaConsumerKilledAroundCommit(t *testing.T) {
 			t.Errorf("message %s applied %d times, want 1", m, n)
 		}
 	}
-	if n := f.count(`SELECT count(*) FROM processed_event`); n != 3 {
+	if n := f.count(`SELECT count(*) FROM ` + f.db.Table("processed_event")); n != 3 {
 		t.Errorf("dedup rows %d, want 3", n)
 	}
 	if err := c4.cmd.Process.Signal(syscall.SIGTERM); err != nil {

@@ -22,7 +22,7 @@ func TestInsertOnceFallsBackToExistingRow(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, nil)
-	if _, err := f.db.Pool.Exec(ctx, `CREATE TABLE payment (
+	if _, err := f.db.Pool.Exec(ctx, `CREATE TABLE `+f.db.Table("payment")+` (
 		id bigserial PRIMARY KEY, provider text NOT NULL, external_id text NOT NULL, amount int NOT NULL CHECK (amount > 0),
 		CONSTRAINT payment_provider_external_id_key UNIQUE (provider, external_id))`); err != nil {
 		t.Fatal(err)
@@ -35,21 +35,21 @@ func TestInsertOnceFallsBackToExistingRow(t *testing.T) {
 			amount = -1
 		}
 		inserted, err := inbox.InsertOnce(msg.Context(), tx, "payment_provider_external_id_key", func(tx pgx.Tx) error {
-			_, err := tx.Exec(msg.Context(), `INSERT INTO payment (provider, external_id, amount) VALUES ('stripe', 'ch_1', $1)`, amount)
+			_, err := tx.Exec(msg.Context(), `INSERT INTO `+f.db.Table("payment")+` (provider, external_id, amount) VALUES ('stripe', 'ch_1', $1)`, amount)
 			return err
 		})
 		if err != nil {
 			return nil, err
 		}
 		var id int64
-		if err := tx.QueryRow(msg.Context(), `SELECT id FROM payment WHERE provider = 'stripe' AND external_id = 'ch_1'`).Scan(&id); err != nil {
+		if err := tx.QueryRow(msg.Context(), `SELECT id FROM `+f.db.Table("payment")+` WHERE provider = 'stripe' AND external_id = 'ch_1'`).Scan(&id); err != nil {
 			return nil, err
 		}
 		seenIDs = append(seenIDs, id)
 		if inserted {
-			return nil, applyEffect(msg, "booked")
+			return nil, f.applyEffect(msg, "booked")
 		}
-		return nil, applyEffect(msg, "already booked")
+		return nil, f.applyEffect(msg, "already booked")
 	})
 	first, second := outbox.NewMessage([]byte("webhook")), outbox.NewMessage([]byte("webhook again"))
 	for _, m := range []*message.Message{first, second} {
@@ -57,10 +57,10 @@ func TestInsertOnceFallsBackToExistingRow(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if f.count(`SELECT count(*) FROM payment`) != 1 || len(seenIDs) != 2 || seenIDs[0] != seenIDs[1] {
-		t.Fatalf("payments %d, ids %v", f.count(`SELECT count(*) FROM payment`), seenIDs)
+	if f.count(`SELECT count(*) FROM `+f.db.Table("payment")) != 1 || len(seenIDs) != 2 || seenIDs[0] != seenIDs[1] {
+		t.Fatalf("payments %d, ids %v", f.count(`SELECT count(*) FROM `+f.db.Table("payment")), seenIDs)
 	}
-	if f.count(`SELECT count(*) FROM effect WHERE note = 'already booked'`) != 1 || f.dedupRows() != 2 {
+	if f.count(`SELECT count(*) FROM `+f.db.Table("effect")+` WHERE note = 'already booked'`) != 1 || f.dedupRows() != 2 {
 		t.Fatal("the second webhook's transaction did not commit after the fallback")
 	}
 
@@ -70,7 +70,7 @@ func TestInsertOnceFallsBackToExistingRow(t *testing.T) {
 	}
 	err := pgx.BeginFunc(ctx, f.db.Pool, func(tx pgx.Tx) error {
 		_, err := inbox.InsertOnce(ctx, tx, "other_constraint", func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, `INSERT INTO payment (provider, external_id, amount) VALUES ('stripe', 'ch_1', 5)`)
+			_, err := tx.Exec(ctx, `INSERT INTO `+f.db.Table("payment")+` (provider, external_id, amount) VALUES ('stripe', 'ch_1', 5)`)
 			return err
 		})
 		return err

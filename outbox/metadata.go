@@ -38,6 +38,30 @@ const (
 	MetadataSagaStep    = "saga_step"
 	MetadataSagaPhase   = "saga_phase"
 	MetadataSagaAttempt = "saga_attempt"
+
+	// MetadataSagaName, MetadataSagaReplyTo, MetadataSagaOutcome and MetadataSagaReason are
+	// the rest of package saga's contract between an orchestrator and its participants:
+	//
+	//   saga_name      the saga definition's name (commands and replies)
+	//   saga_reply_to  the topic a participant sends its reply to (commands)
+	//   saga_outcome   SagaOutcomeDone, SagaOutcomeFailed or SagaOutcomeRetry (replies)
+	//   saga_reason    why a step failed or asks to be retried, for operators (replies)
+	MetadataSagaName    = "saga_name"
+	MetadataSagaReplyTo = "saga_reply_to"
+	MetadataSagaOutcome = "saga_outcome"
+	MetadataSagaReason  = "saga_reason"
+)
+
+// The values of MetadataSagaOutcome.
+const (
+	// SagaOutcomeDone: the step's action (or compensation) took effect; the reply's payload
+	// is the participant's result.
+	SagaOutcomeDone = "done"
+	// SagaOutcomeFailed: a business failure; the action took no effect and the saga compensates.
+	SagaOutcomeFailed = "failed"
+	// SagaOutcomeRetry: a transient failure; nothing took effect and the orchestrator re-sends
+	// the command (a new attempt) after a backoff, within the step's attempt budget.
+	SagaOutcomeRetry = "retry"
 )
 
 // SagaPhase is the value of MetadataSagaPhase: whether a saga message belongs to a step's

@@ -34,7 +34,7 @@ type row struct {
 func readRows(t *testing.T, db *testdb.DB) []row {
 	t.Helper()
 	rows, err := db.Pool.Query(context.Background(),
-		`SELECT id, event_id::text, topic, partition_key, payload, metadata FROM outbox ORDER BY id`)
+		`SELECT id, event_id::text, topic, partition_key, payload, metadata FROM `+db.Table("outbox")+` ORDER BY id`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,7 +64,7 @@ func TestWriteTxAtomic(t *testing.T) {
 	ctx := context.Background()
 	db := testdb.New(t)
 	w := newWriter(t, db, outbox.Config{})
-	if _, err := db.Pool.Exec(ctx, `CREATE TABLE orders (id int PRIMARY KEY)`); err != nil {
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+db.Table("orders")+` (id int PRIMARY KEY)`); err != nil {
 		t.Fatal(err)
 	}
 
@@ -73,7 +73,7 @@ func TestWriteTxAtomic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO orders VALUES (1)`); err != nil {
+	if _, err := tx.Exec(ctx, `INSERT INTO `+db.Table("orders")+` VALUES (1)`); err != nil {
 		t.Fatal(err)
 	}
 	if err := w.WriteTx(ctx, tx, "orders", outbox.NewMessage([]byte("lost"))); err != nil {
@@ -95,7 +95,7 @@ func TestWriteTxAtomic(t *testing.T) {
 	msgs[0].Metadata.Set("traceparent", "00-abc-def-01")
 	msgs[1].Metadata.Set("name", "Ünïcode ✓")
 	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `INSERT INTO orders VALUES (2)`); err != nil {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+db.Table("orders")+` VALUES (2)`); err != nil {
 			return err
 		}
 		return w.WriteTx(ctx, tx, "orders", msgs...)

@@ -45,8 +45,9 @@ func MustTx(ctx context.Context) pgx.Tx {
 }
 
 // ErrTxManaged is wrapped by the error that Commit and Rollback return on a transaction a
-// middleware handed to a handler (inbox, idempotency, saga): the middleware ends it itself,
-// after writing what must commit with the handler's writes. To abort, fail the handler
+// middleware handed to a handler (inbox, idempotency, saga), and by the error for SQL that
+// would end it (COMMIT, ROLLBACK, END, ABORT, BEGIN, PREPARE TRANSACTION in Exec or Query): the
+// middleware ends it itself, after writing what must commit with the handler's writes. To abort, fail the handler
 // (return an error from a message handler; respond with a status that is not stored from an
 // HTTP handler). errors.Is(err, ErrTxManaged) holds whichever middleware opened it.
 var ErrTxManaged = errors.New("onceflow: the middleware that opened this transaction commits or rolls it back itself")

@@ -61,7 +61,7 @@ func TestCrashSafetySIGKILL(t *testing.T) {
 	}
 	dups := checkDelivery(t, want, got)
 	var parked int
-	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM outbox_parked").Scan(&parked); err != nil {
+	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+db.Table("outbox_parked")).Scan(&parked); err != nil {
 		t.Fatal(err)
 	}
 	if parked != 0 {

@@ -28,7 +28,7 @@ type leaseRow struct {
 
 func readLeases(t testing.TB, db *testdb.DB) []leaseRow {
 	t.Helper()
-	rows, err := db.Pool.Query(context.Background(), `SELECT shard, owner, epoch, expires_at, acquired_at, expires_at > now() FROM relay_lease ORDER BY shard`)
+	rows, err := db.Pool.Query(context.Background(), `SELECT shard, owner, epoch, expires_at, acquired_at, expires_at > now() FROM `+db.Table("relay_lease")+` ORDER BY shard`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -231,7 +231,7 @@ func checkDelivery(t testing.TB, want []written, got []consumed) int {
 func outboxCount(t testing.TB, db *testdb.DB) int {
 	t.Helper()
 	var n int
-	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM outbox").Scan(&n); err != nil {
+	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM "+db.Table("outbox")).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	return n

@@ -34,7 +34,7 @@ func TestLostLeaseStopsPublishing(t *testing.T) {
 	c.waitDistinct(t, len(first), 30*time.Second)
 
 	before := readLeases(t, db)
-	if _, err := db.Pool.Exec(ctx, `UPDATE relay_lease SET owner = 'thief', epoch = epoch + 1, expires_at = now() + interval '1 hour'`); err != nil {
+	if _, err := db.Pool.Exec(ctx, `UPDATE `+db.Table("relay_lease")+` SET owner = 'thief', epoch = epoch + 1, expires_at = now() + interval '1 hour'`); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitFor(t, 30*time.Second, "the relay to notice the lost leases", func(r *recorder) bool { return r.owned == 0 })
@@ -45,7 +45,7 @@ func TestLostLeaseStopsPublishing(t *testing.T) {
 		t.Fatalf("%d events published while another owner held every shard", n-len(first))
 	}
 
-	if _, err := db.Pool.Exec(ctx, `UPDATE relay_lease SET owner = '', expires_at = 'epoch'`); err != nil {
+	if _, err := db.Pool.Exec(ctx, `UPDATE `+db.Table("relay_lease")+` SET owner = '', expires_at = 'epoch'`); err != nil {
 		t.Fatal(err)
 	}
 	rec.waitFor(t, 30*time.Second, "the relay to re-acquire", func(r *recorder) bool { return r.owned == 8 })
@@ -82,7 +82,7 @@ func TestFenceStopsPublishingWhenRenewalsStall(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := lock.Exec(ctx, `LOCK TABLE relay_lease IN ACCESS EXCLUSIVE MODE`); err != nil {
+	if _, err := lock.Exec(ctx, `LOCK TABLE `+db.Table("relay_lease")+` IN ACCESS EXCLUSIVE MODE`); err != nil {
 		t.Fatal(err)
 	}
 	locked := time.Now()
@@ -131,7 +131,7 @@ func TestShutdownReleasesLeases(t *testing.T) {
 		t.Fatalf("leases held after shutdown: %v", o)
 	}
 	var members int
-	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM relay_member`).Scan(&members); err != nil {
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Table("relay_member")).Scan(&members); err != nil {
 		t.Fatal(err)
 	}
 	if members != 0 {

@@ -71,7 +71,7 @@ func TestLongSchemaName(t *testing.T) {
 
 	// A parked row replays, and the replay's notification wakes the relay as well.
 	parked := outbox.NewMessage([]byte("parked"))
-	if _, err := pool.Exec(ctx, `INSERT INTO outbox_parked (id, event_id, topic, key_hash, payload, created_at, attempts, last_error)
+	if _, err := pool.Exec(ctx, `INSERT INTO `+db.Table("outbox_parked")+` (id, event_id, topic, key_hash, payload, created_at, attempts, last_error)
 		VALUES (1, $1, $2, 0, 'parked', now(), 3, 'test')`, parked.UUID, topic); err != nil {
 		t.Fatal(err)
 	}

@@ -42,7 +42,7 @@ func writeOne(t testing.TB, db *testdb.DB, topic, key string, payload []byte) *m
 
 func rowAttempts(t testing.TB, db *testdb.DB, eventID string) (attempts int, lastError string) {
 	t.Helper()
-	err := db.Pool.QueryRow(context.Background(), `SELECT attempts, coalesce(last_error, '') FROM outbox WHERE event_id = $1`, eventID).Scan(&attempts, &lastError)
+	err := db.Pool.QueryRow(context.Background(), `SELECT attempts, coalesce(last_error, '') FROM `+db.Table("outbox")+` WHERE event_id = $1`, eventID).Scan(&attempts, &lastError)
 	if err != nil {
 		t.Fatalf("read attempts of %s: %v", eventID, err)
 	}
@@ -216,7 +216,7 @@ func TestOversizedRowRefusedBeforeSending(t *testing.T) {
 	}
 	var attempts int
 	var lastErr string
-	if err := db.Pool.QueryRow(ctx, `SELECT attempts, last_error FROM outbox_parked WHERE event_id = $1`, big.UUID).Scan(&attempts, &lastErr); err != nil {
+	if err := db.Pool.QueryRow(ctx, `SELECT attempts, last_error FROM `+db.Table("outbox_parked")+` WHERE event_id = $1`, big.UUID).Scan(&attempts, &lastErr); err != nil {
 		t.Fatalf("oversized row not parked: %v", err)
 	}
 	if attempts != 3 || !strings.Contains(lastErr, relaykafka.ErrMessageTooLarge.Error()) || !strings.Contains(lastErr, "4096") {

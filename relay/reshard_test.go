@@ -36,7 +36,7 @@ func TestReshardUnderAPausedRelay(t *testing.T) {
 	defer func() { _ = old.cmd.Process.Signal(syscall.SIGCONT) }()
 	eventually(t, 30*time.Second, "the paused relay's leases and heartbeat to expire", func() bool {
 		var live int
-		if err := db.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM relay_lease WHERE expires_at > now()) + (SELECT count(*) FROM relay_member WHERE expires_at > now())`).Scan(&live); err != nil {
+		if err := db.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+db.Table("relay_lease")+` WHERE expires_at > now()) + (SELECT count(*) FROM `+db.Table("relay_member")+` WHERE expires_at > now())`).Scan(&live); err != nil {
 			t.Fatal(err)
 		}
 		return live == 0

@@ -32,7 +32,7 @@ var ErrHeldBack = errors.New("relay: held back: an earlier message with the same
 // with backoff and never parks a row.
 //
 // It is about the broker refusing a message, not about its content being wrong for a
-// consumer: that is inbox.IsPermanent.
+// consumer: that is inbox.IsPoison.
 type UndeliverableError struct{ Err error }
 
 // Error prefixes the broker's error with "undeliverable: ".

@@ -22,7 +22,7 @@ func TestForeignTransactionDoesNotStall(t *testing.T) {
 	db := testdb.New(t)
 	brokers := kafkatest.Brokers(t, 1)
 	topic := kafkatest.Topic("stall")
-	if _, err := db.Pool.Exec(ctx, `CREATE TABLE accounts (id int PRIMARY KEY, balance int)`); err != nil {
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+db.Table("accounts")+` (id int PRIMARY KEY, balance int)`); err != nil {
 		t.Fatal(err)
 	}
 	c := newConsumer(t, brokers, topic)
@@ -33,7 +33,7 @@ func TestForeignTransactionDoesNotStall(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { _ = foreign.Rollback(ctx) }() // no-op after the commit below
-	if _, err := foreign.Exec(ctx, `INSERT INTO accounts VALUES (1, 100)`); err != nil {
+	if _, err := foreign.Exec(ctx, `INSERT INTO `+db.Table("accounts")+` VALUES (1, 100)`); err != nil {
 		t.Fatal(err)
 	}
 	w, err := outbox.NewWriter(outbox.Config{Schema: db.Schema})

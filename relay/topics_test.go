@@ -49,7 +49,7 @@ func TestKeyOrderAcrossTopics(t *testing.T) {
 	// Two failed publish calls: the first batch, with its deletes, is over.
 	rec.waitFor(t, 30*time.Second, "two failed publish calls", func(r *recorder) bool { return r.failed[relay.FailureTransient] >= 2 })
 	var left int
-	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE event_id = ANY($1::uuid[])`, []string{second.UUID, third.UUID}).Scan(&left); err != nil {
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Table("outbox")+` WHERE event_id = ANY($1::uuid[])`, []string{second.UUID, third.UUID}).Scan(&left); err != nil {
 		t.Fatal(err)
 	}
 	if left != 2 {

@@ -15,6 +15,7 @@ import (
 	"github.com/onceflow/onceflow/inbox"
 	engine "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/retention"
+	"github.com/onceflow/onceflow/saga"
 )
 
 // cleaner is one table `onceflow cleanup` keeps bounded. Add a line to cleaners for another
@@ -37,6 +38,17 @@ type cleanupOptions struct {
 var cleaners = []cleaner{
 	{"processed_event", "inbox dedup rows older than --window", cleanProcessedEvents},
 	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Window)", cleanIdempotencyRecords},
+	{"saga", "sagas that finished (completed or compensated) longer than --window ago", cleanSagas},
+}
+
+func cleanSagas(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
+	c, err := saga.NewCleaner(saga.CleanerConfig{
+		Pool: pool, Schema: o.schema, Window: o.window, AllowShortWindow: o.allowShort, BatchSize: o.batchSize, Logger: o.logger,
+	})
+	if err != nil {
+		return 0, err
+	}
+	return c.Clean(ctx)
 }
 
 func cleanIdempotencyRecords(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
@@ -62,7 +74,7 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 	var list strings.Builder
 	for i, c := range cleaners {
 		names[i] = c.name
-		fmt.Fprintf(&list, "\n  %-16s %s", c.name, c.summary)
+		fmt.Fprintf(&list, "\n  %-18s %s", c.name, c.summary)
 	}
 	fs := c.newFlagSet("cleanup", "cleanup [flags]\n\n"+
 		"Deletes expired rows in batches that skip locked rows, so writers are never blocked.\n"+
@@ -131,7 +143,7 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 		return err
 	}
 
-	pool, err := db.connect(ctx, "onceflow-cleanup")
+	pool, err := db.connectMigrated(ctx, "onceflow-cleanup")
 	if err != nil {
 		return err
 	}

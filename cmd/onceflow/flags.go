@@ -1,38 +1,93 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"flag"
 	"fmt"
+	"io"
+	"log/slog"
 	"strings"
+	"sync"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/migrations"
 )
 
+// flagsHeading introduces every command's flags. Not every flag has an environment variable:
+// those that do name it in brackets at the end of their line.
+const flagsHeading = "Flags (a flag's environment variable, if it has one, in brackets):"
+
 // newFlagSet returns a flag set that reports errors instead of exiting, with a usage text
-// that starts with the command's synopsis.
+// that starts with the command's synopsis. Its output is routed by parse: help asked for
+// (-h, --help) goes to stdout, usage after a mistake to stderr.
 func (c *cli) newFlagSet(name, synopsis string) *flag.FlagSet {
 	fs := flag.NewFlagSet("onceflow "+name, flag.ContinueOnError)
-	fs.SetOutput(c.stderr)
+	fs.SetOutput(&usageOutput{stdout: c.stdout, stderr: c.stderr})
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "Usage: onceflow %s\n\nFlags (environment variable in brackets):\n", synopsis)
+		fmt.Fprintf(fs.Output(), "Usage: onceflow %s\n\n%s\n", synopsis, flagsHeading)
 		fs.PrintDefaults()
 	}
 	return fs
 }
 
+// usageOutput is a flag set's output. While parse runs it holds what the flag package writes
+// until the outcome says where it belongs; otherwise (fs.Usage() called after a mistake the
+// command found itself) it writes to stderr.
+type usageOutput struct {
+	stdout, stderr io.Writer
+	held           *bytes.Buffer
+}
+
+func (u *usageOutput) Write(p []byte) (int, error) {
+	if u.held != nil {
+		return u.held.Write(p)
+	}
+	return u.stderr.Write(p)
+}
+
 // parse parses args and maps flag errors to errUsage (the flag package already printed why).
+// Help asked for is printed on stdout and returned as flag.ErrHelp (exit 0).
 func parse(fs *flag.FlagSet, args []string) error {
-	if err := fs.Parse(args); err != nil {
+	u, _ := fs.Output().(*usageOutput)
+	if u != nil {
+		u.held = &bytes.Buffer{}
+	}
+	err := fs.Parse(args)
+	if u != nil {
+		held := u.held
+		u.held = nil
+		w := u.stderr
 		if errors.Is(err, flag.ErrHelp) {
-			return err
+			w = u.stdout
 		}
+		_, _ = w.Write(held.Bytes())
+	}
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, flag.ErrHelp):
+		return err
+	default:
 		return errUsage
 	}
-	return nil
+}
+
+// printHelp prints the flag set's usage as help asked for: on stdout.
+func printHelp(fs *flag.FlagSet) error {
+	u, _ := fs.Output().(*usageOutput)
+	if u != nil {
+		u.held = &bytes.Buffer{}
+		fs.Usage()
+		_, _ = u.stdout.Write(u.held.Bytes())
+		u.held = nil
+		return flag.ErrHelp
+	}
+	fs.Usage()
+	return flag.ErrHelp
 }
 
 // envOr returns the environment variable's value, or def when it is unset or empty.
@@ -45,15 +100,38 @@ func (c *cli) envOr(name, def string) string {
 
 // dbFlags are the connection flags every database command shares.
 type dbFlags struct {
+	c      *cli
 	url    string
 	schema string
 }
 
 func (c *cli) addDBFlags(fs *flag.FlagSet) *dbFlags {
-	d := &dbFlags{}
-	fs.StringVar(&d.url, "database-url", c.getenv("DATABASE_URL"), "PostgreSQL connection string [DATABASE_URL]")
+	d := &dbFlags{c: c, url: c.getenv("DATABASE_URL")}
+	fs.Var(&dsnValue{s: &d.url, secrets: c.secrets}, "database-url",
+		"PostgreSQL connection `string` (URL or key=value; its password is never shown) [DATABASE_URL]")
 	fs.StringVar(&d.schema, "schema", c.envOr("ONCEFLOW_SCHEMA", pgsql.DefaultSchema), "schema holding the onceflow tables [ONCEFLOW_SCHEMA]")
 	return d
+}
+
+// dsnValue is the --database-url flag. Its String, which the flag package prints as the
+// default in usage text, masks the password; Set remembers the value as a secret, so it is
+// masked in everything the command writes.
+type dsnValue struct {
+	s       *string
+	secrets *secrets
+}
+
+func (v *dsnValue) String() string {
+	if v == nil || v.s == nil {
+		return ""
+	}
+	return pgsql.RedactDSN(*v.s)
+}
+
+func (v *dsnValue) Set(s string) error {
+	*v.s = s
+	v.secrets.add(s)
+	return nil
 }
 
 func (d *dbFlags) validate() error {
@@ -72,24 +150,91 @@ func (d *dbFlags) validate() error {
 
 // connect opens a pool and checks it with a ping. The connections carry application_name
 // (unless the URL sets one) so pg_stat_activity shows which onceflow command holds them.
+// Its errors never show the password, whatever pgx or the server put in them.
 func (d *dbFlags) connect(ctx context.Context, applicationName string) (*pgxpool.Pool, error) {
 	if err := d.validate(); err != nil {
 		return nil, err
 	}
 	cfg, err := pgxpool.ParseConfig(d.url)
 	if err != nil {
-		return nil, fmt.Errorf("parse database URL: %w", err)
+		return nil, pgsql.RedactError(fmt.Errorf("parse database URL: %w", err), d.url)
 	}
 	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
 		cfg.ConnConfig.RuntimeParams["application_name"] = applicationName
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect to database: %w", err)
+		return nil, pgsql.RedactError(fmt.Errorf("connect to database: %w", err), d.url)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("connect to database: %w", err)
+		return nil, pgsql.RedactError(fmt.Errorf("connect to database: %w", err), d.url)
 	}
 	return pool, nil
+}
+
+// connectMigrated is connect for the commands that use onceflow's tables: a schema without
+// every migration step is refused with migrations.Validate's error, which names the steps
+// and the command to run, instead of failing later on a missing table.
+func (d *dbFlags) connectMigrated(ctx context.Context, applicationName string) (*pgxpool.Pool, error) {
+	pool, err := d.connect(ctx, applicationName)
+	if err != nil {
+		return nil, err
+	}
+	if err := migrations.Validate(ctx, pool, d.migrationOptions()); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
+}
+
+// migrationOptions are the options of the schema's migrations; warnings (steps a newer
+// onceflow applied) go to stderr.
+func (d *dbFlags) migrationOptions() migrations.Options {
+	return migrations.Options{Schema: d.schema, Logger: slog.New(slog.NewTextHandler(d.c.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+}
+
+// secrets are the connection strings an invocation has seen (DATABASE_URL, --database-url).
+type secrets struct {
+	mu   sync.Mutex
+	dsns []string
+}
+
+// add remembers dsn. A nil *secrets (a cli built by hand in a test) remembers nothing.
+func (s *secrets) add(dsn string) {
+	if s == nil || dsn == "" {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.dsns = append(s.dsns, dsn)
+}
+
+func (s *secrets) mask(text string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.dsns) == 0 {
+		return pgsql.RedactDSN(text)
+	}
+	for _, dsn := range s.dsns {
+		text = pgsql.Redact(text, dsn)
+	}
+	return text
+}
+
+// maskingWriter masks passwords in everything written through it: any connection string's,
+// and the passwords of the connection strings the invocation has seen wherever they appear.
+// It is the net under the masking at the source (usage text, connect errors), for messages
+// a library or the server composed, such as a relay's logged errors.
+type maskingWriter struct {
+	w io.Writer
+	s *secrets
+}
+
+func (m *maskingWriter) Write(p []byte) (int, error) {
+	masked := m.s.mask(string(p))
+	if _, err := io.WriteString(m.w, masked); err != nil {
+		return 0, err
+	}
+	return len(p), nil
 }

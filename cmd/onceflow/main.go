@@ -3,6 +3,7 @@
 //
 // Every subcommand reads its settings from flags, falling back to environment variables
 // (DATABASE_URL, ONCEFLOW_SCHEMA, ...); `onceflow <command> -h` lists them with defaults.
+// Passwords in connection strings are never printed: not in usage text, errors or logs.
 package main
 
 import (
@@ -13,6 +14,9 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime/debug"
+	"slices"
+	"strings"
 	"syscall"
 )
 
@@ -27,7 +31,8 @@ var commands = []command{
 	{"migrate", "apply, list or print the schema migrations (up|status|print)", (*cli).runMigrate},
 	{"relay", "publish the outbox to Kafka (run one or more)", (*cli).runRelay},
 	{"outbox", "inspect pending rows, list parked rows, replay them (inspect|parked|replay)", (*cli).runOutbox},
-	{"cleanup", "delete expired dedup rows in bounded batches (once, or on a schedule)", (*cli).runCleanup},
+	{"cleanup", "delete expired inbox dedup rows, HTTP idempotency records and finished sagas in bounded batches (once, or on a schedule)", (*cli).runCleanup},
+	{"saga", "list sagas, show one, resume a stuck one, compensate a running one (list|show|retry|compensate)", (*cli).runSaga},
 }
 
 func main() {
@@ -41,20 +46,37 @@ func main() {
 // variables. Commands touch no process-wide state besides the network and the database, so
 // tests run many invocations at once, each with its own buffers and environment.
 type cli struct {
-	stdout io.Writer           // results: tables, reports, SQL
-	stderr io.Writer           // logs, errors, usage
-	getenv func(string) string // os.Getenv in main
+	stdout  io.Writer           // results: tables, reports, SQL, help asked for
+	stderr  io.Writer           // logs, errors, usage after a mistake
+	getenv  func(string) string // os.Getenv in main
+	secrets *secrets            // connection strings seen, masked in everything written
 }
 
-// run executes one command line and returns the exit status: 0 done, 1 failed, 2 bad usage;
-// a command may return an *exitError for another status (migrate status: 3 = steps pending).
+// run executes one command line and returns the exit status: 0 done (or help asked for),
+// 1 failed, 2 bad usage; a command may return an *exitError for another status (migrate
+// status: 3 = steps pending).
 func run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
-	c := &cli{stdout: stdout, stderr: stderr, getenv: getenv}
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
-		c.usage()
-		if len(args) == 0 {
-			return 2
+	// Everything the command writes passes through the mask, logs of the libraries it drives
+	// included: a password that reaches an error message or a log line is not printed.
+	s := &secrets{}
+	s.add(getenv("DATABASE_URL"))
+	c := &cli{stdout: &maskingWriter{w: stdout, s: s}, stderr: &maskingWriter{w: stderr, s: s}, getenv: getenv, secrets: s}
+	if len(args) == 0 {
+		c.usage(c.stderr)
+		return 2
+	}
+	switch args[0] {
+	case "-h", "-help", "--help":
+		c.usage(c.stdout)
+		return 0
+	case "help": // help <command> [<action>] is <command> [<action>] -h
+		if len(args) == 1 {
+			c.usage(c.stdout)
+			return 0
 		}
+		args = append(slices.Clone(args[1:]), "-h")
+	case "version", "-version", "--version":
+		fmt.Fprintln(c.stdout, "onceflow", version())
 		return 0
 	}
 	for _, cmd := range commands {
@@ -78,8 +100,36 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		}
 	}
 	fmt.Fprintf(c.stderr, "onceflow: unknown command %q\n\n", args[0])
-	c.usage()
+	c.usage(c.stderr)
 	return 2
+}
+
+// version is the module version the binary was built from (go install ...@v1.2.3), or
+// "(devel)" for a build from a checkout, with the commit when the build recorded one.
+func version() string {
+	v := "(devel)"
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return v
+	}
+	if info.Main.Version != "" {
+		v = info.Main.Version
+	}
+	var rev, dirty string
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value[:min(12, len(s.Value))]
+		case "vcs.modified":
+			if s.Value == "true" {
+				dirty = "-dirty"
+			}
+		}
+	}
+	if v == "(devel)" && rev != "" {
+		v += " " + rev + dirty
+	}
+	return v + " " + info.GoVersion
 }
 
 // errUsage marks an error already explained to the user by a flag set's usage output.
@@ -94,10 +144,13 @@ type exitError struct {
 func (e *exitError) Error() string { return e.err.Error() }
 func (e *exitError) Unwrap() error { return e.err }
 
-func (c *cli) usage() {
-	fmt.Fprintln(c.stderr, "Usage: onceflow <command> [flags]\n\nCommands:")
+func (c *cli) usage(w io.Writer) {
+	var b strings.Builder
+	b.WriteString("Usage: onceflow <command> [flags]\n\nCommands:\n")
 	for _, cmd := range commands {
-		fmt.Fprintf(c.stderr, "  %-9s %s\n", cmd.name, cmd.summary)
+		fmt.Fprintf(&b, "  %-9s %s\n", cmd.name, cmd.summary)
 	}
-	fmt.Fprintln(c.stderr, "\nRun 'onceflow <command> -h' for the flags of a command.")
+	b.WriteString("\nRun 'onceflow <command> -h' (or 'onceflow help <command>') for the flags of a command,\n" +
+		"'onceflow --version' for the version.\n")
+	_, _ = io.WriteString(w, b.String()) // nothing to do about a closed terminal
 }

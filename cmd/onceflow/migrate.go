@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"text/tabwriter"
 
 	"github.com/onceflow/onceflow/migrations"
@@ -32,7 +31,7 @@ func (c *cli) runMigrate(ctx context.Context, args []string) error {
 	}
 	// Warnings only: steps in the schema that this binary does not know (a newer release
 	// applied them). Results go to stdout as plain lines.
-	opts := migrations.Options{Schema: db.schema, Logger: slog.New(slog.NewTextHandler(c.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	opts := db.migrationOptions()
 	switch action {
 	case "print":
 		sql, err := migrations.Print(opts)
@@ -42,9 +41,8 @@ func (c *cli) runMigrate(ctx context.Context, args []string) error {
 		_, err = fmt.Fprint(c.stdout, sql)
 		return err
 	case "up", "status":
-	case "-h", "--help", "help":
-		fs.Usage()
-		return nil
+	case "-h", "-help", "--help", "help":
+		return printHelp(fs)
 	default:
 		fmt.Fprintf(c.stderr, "onceflow migrate: unknown action %q\n", action)
 		fs.Usage()

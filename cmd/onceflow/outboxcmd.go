@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -25,7 +26,7 @@ const outboxSynopsis = `outbox inspect|parked|replay [flags]
 
 func (c *cli) runOutbox(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		c.outboxUsage()
+		c.outboxUsage(c.stderr)
 		return errUsage
 	}
 	switch args[0] {
@@ -35,19 +36,19 @@ func (c *cli) runOutbox(ctx context.Context, args []string) error {
 		return c.outboxParked(ctx, args[1:])
 	case "replay":
 		return c.outboxReplay(ctx, args[1:])
-	case "-h", "--help", "help":
-		c.outboxUsage()
-		return nil
+	case "-h", "-help", "--help", "help":
+		c.outboxUsage(c.stdout)
+		return flag.ErrHelp
 	default:
 		fmt.Fprintf(c.stderr, "onceflow outbox: unknown action %q\n\n", args[0])
-		c.outboxUsage()
+		c.outboxUsage(c.stderr)
 		return errUsage
 	}
 }
 
 // outboxUsage prints the actions; each action has its own -h with its flags.
-func (c *cli) outboxUsage() {
-	fmt.Fprintf(c.stderr, "Usage: onceflow %s\n\nRun 'onceflow outbox <action> -h' for the flags of an action.\n", outboxSynopsis)
+func (c *cli) outboxUsage(w io.Writer) {
+	fmt.Fprintf(w, "Usage: onceflow %s\n\nRun 'onceflow outbox <action> -h' for the flags of an action.\n", outboxSynopsis)
 }
 
 // filterFlags are the row selectors shared by parked and replay.
@@ -113,7 +114,7 @@ func (c *cli) outboxInspect(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	pool, err := db.connect(ctx, "onceflow-outbox")
+	pool, err := db.connectMigrated(ctx, "onceflow-outbox")
 	if err != nil {
 		return err
 	}
@@ -127,11 +128,16 @@ func (c *cli) outboxInspect(ctx context.Context, args []string) error {
 	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	p := &printer{w: tw}
 	p.f("schema %q at %s\n", db.schema, s.CheckedAt.UTC().Format(time.RFC3339))
-	age := "-"
-	if !s.Oldest.IsZero() {
-		age = s.CheckedAt.Sub(s.Oldest).Round(time.Millisecond).String()
+	oldest := ""
+	if s.Pending > 0 && !s.Oldest.IsZero() {
+		oldest = " (oldest " + s.CheckedAt.Sub(s.Oldest).Round(time.Millisecond).String() + " old)"
 	}
-	p.f("pending: %d rows (oldest %s old), %d refused at least once; parked: %d\n", s.Pending, age, s.Failing, s.Parked)
+	p.f("pending: %d rows%s, %d refused at least once; parked: %d\n", s.Pending, oldest, s.Failing, s.Parked)
+	if s.Pending > 0 && !slices.ContainsFunc(s.Members, func(m relay.Member) bool { return m.Live }) {
+		// On stderr, so it shows in a terminal and stays out of a script's parsing of the report.
+		fmt.Fprintf(c.stderr, "onceflow outbox: warning: %d rows pending and no relay is live (no unexpired heartbeat in relay_member), so nothing publishes them: start one with `onceflow relay --schema %s`\n",
+			s.Pending, db.schema)
+	}
 	if len(s.PerTopic) > 0 {
 		p.f("\nTOPIC\tPENDING\n")
 		for _, t := range s.PerTopic {
@@ -206,7 +212,7 @@ func (c *cli) outboxParked(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	pool, err := db.connect(ctx, "onceflow-outbox")
+	pool, err := db.connectMigrated(ctx, "onceflow-outbox")
 	if err != nil {
 		return err
 	}
@@ -252,7 +258,7 @@ func (c *cli) outboxReplay(ctx context.Context, args []string) error {
 	if !f.All && len(f.IDs) == 0 && len(f.EventIDs) == 0 && f.Topic == "" && f.Key == "" {
 		return fmt.Errorf("nothing selected: pass --id, --event-id, --topic or --key, or --all to replay every parked row")
 	}
-	pool, err := db.connect(ctx, "onceflow-outbox")
+	pool, err := db.connectMigrated(ctx, "onceflow-outbox")
 	if err != nil {
 		return err
 	}

@@ -24,7 +24,7 @@ func TestRelayCommandReportsEveryBadSetting(t *testing.T) {
 		}
 	}
 	r = runCmd(ctx, nil, "relay", "-h").expect(t, "relay -h", 0)
-	if !strings.Contains(r.stderr, "-kafka-brokers string") {
+	if !strings.Contains(r.stdout, "-kafka-brokers string") {
 		t.Errorf("relay -h does not list the flags:\n%s", r.stderr)
 	}
 	runCmd(ctx, nil, "relay", "--nope").expect(t, "unknown flag", 2)

@@ -72,7 +72,9 @@ func URL(t testing.TB) string {
 
 // DB is one test's isolated schema.
 type DB struct {
-	// Pool connects with search_path set to Schema, so a test's own business tables land there.
+	// Pool connects with an empty search_path: every table must be named with its schema
+	// (Table, or the configured Schema in library code), so SQL that forgets the schema fails
+	// with "relation does not exist" instead of finding the table by luck.
 	Pool *pgxpool.Pool
 	// Schema holds the onceflow tables for this test (migrations applied).
 	Schema string
@@ -101,7 +103,10 @@ func NewEmpty(t testing.TB) *DB {
 	if err != nil {
 		t.Fatalf("testdb: parse DATABASE_URL: %v", err)
 	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	// An empty search_path, not the test's schema: library SQL must qualify every table with
+	// its configured schema, and an unqualified name that would have resolved to this schema
+	// (and passed by luck) now fails the test.
+	cfg.ConnConfig.RuntimeParams["search_path"] = ""
 	cfg.MaxConns = 16
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
@@ -117,6 +122,10 @@ func NewEmpty(t testing.TB) *DB {
 	})
 	return &DB{Pool: pool, Schema: schema, URL: url}
 }
+
+// Table returns name qualified with the test's schema, both quoted, for a test's own SQL
+// (the pool's search_path is empty, so an unqualified name resolves to nothing).
+func (db *DB) Table(name string) string { return pgsql.Table(db.Schema, name) }
 
 func randomHex(n int) string {
 	b := make([]byte, n)

@@ -1,0 +1,217 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/saga"
+)
+
+const sagaSynopsis = `saga list|show|retry|compensate [flags]
+
+  list        sagas, newest first (--state running|compensating|completed|compensated|stuck, --name N)
+  show ID     one saga: state, error, data, every step with its attempts, errors and the commands sent, timers
+  retry ID    resume a stuck saga: its compensation is sent again with a fresh attempt budget
+  compensate ID  stop a running saga and compensate the steps that took effect
+
+retry and compensate are carried out by a running orchestrator (within its timer interval),
+which has the saga's definition; the command only files the request.`
+
+func (c *cli) runSaga(ctx context.Context, args []string) error {
+	if len(args) == 0 {
+		c.sagaUsage()
+		return errUsage
+	}
+	switch args[0] {
+	case "list":
+		return c.sagaList(ctx, args[1:])
+	case "show":
+		return c.sagaShow(ctx, args[1:])
+	case "retry", "compensate":
+		return c.sagaRequest(ctx, args[0], args[1:])
+	case "-h", "--help", "help":
+		c.sagaUsage()
+		return nil
+	default:
+		fmt.Fprintf(c.stderr, "onceflow saga: unknown action %q\n\n", args[0])
+		c.sagaUsage()
+		return errUsage
+	}
+}
+
+func (c *cli) sagaUsage() {
+	fmt.Fprintf(c.stderr, "Usage: onceflow %s\n\nRun 'onceflow saga <action> -h' for the flags of an action.\n", sagaSynopsis)
+}
+
+func (c *cli) sagaList(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("saga list", "saga list [flags]\n\nLists sagas, newest first.")
+	db := c.addDBFlags(fs)
+	state := fs.String("state", "", "only sagas in this state: running, compensating, completed, compensated or stuck")
+	name := fs.String("name", "", "only sagas of this definition")
+	limit := fs.Int("limit", 100, "sagas to list")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	switch saga.State(*state) {
+	case "", saga.StateRunning, saga.StateCompensating, saga.StateCompleted, saga.StateCompensated, saga.StateStuck:
+	default:
+		fmt.Fprintf(c.stderr, "onceflow saga list: --state %q is not a saga state; use running, compensating, completed, compensated or stuck\n", *state)
+		return errUsage
+	}
+	admin, pool, err := sagaAdmin(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	list, err := admin.List(ctx, pool, saga.ListFilter{State: saga.State(*state), Name: *name, Limit: *limit})
+	if err != nil {
+		return err
+	}
+	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
+	p := &printer{w: tw}
+	if len(list) == 0 {
+		p.f("no sagas\n")
+		return p.flush(tw)
+	}
+	p.f("ID\tNAME\tVERSION\tSTATE\tSTEP\tATTEMPT\tSTARTED\tUPDATED\tERROR\n")
+	for _, s := range list {
+		p.f("%s\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\n", s.ID, s.Name, s.Version, s.State, s.Step, s.Attempt,
+			fmtTime(s.CreatedAt), fmtTime(s.UpdatedAt), oneLine(s.Error))
+	}
+	return p.flush(tw)
+}
+
+func (c *cli) sagaShow(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("saga show", "saga show [flags] ID\n\nShows one saga with its steps, attempts, errors, the commands sent and its timers.")
+	db := c.addDBFlags(fs)
+	id, err := c.oneID(fs, "show", args)
+	if err != nil {
+		return err
+	}
+	admin, pool, err := sagaAdmin(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	d, err := admin.Get(ctx, pool, id)
+	if err != nil {
+		return err
+	}
+	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
+	p := &printer{w: tw}
+	p.f("saga %s: %s v%d, %s", d.ID, d.Name, d.Version, d.State)
+	if !d.State.Finished() {
+		p.f(" at step %s (attempt %d)", d.Step, d.Attempt)
+	}
+	p.f("\nstarted %s, updated %s\n", fmtTime(d.CreatedAt), fmtTime(d.UpdatedAt))
+	if d.Error != "" {
+		p.f("error: %s\n", oneLine(d.Error))
+	}
+	data, _ := json.Marshal(json.RawMessage(d.Data)) // compact
+	p.f("data: %s\n", data)
+	p.f("\nSTEP\tSTATUS\tATTEMPTS\tCOMPENSATIONS\tSTARTED\tFINISHED\tLAST ERROR\n")
+	for _, s := range d.Steps {
+		status := s.Status
+		if s.Uncertain {
+			status += " (uncertain)"
+		}
+		p.f("%s\t%s\t%d\t%d\t%s\t%s\t%s\n", s.Name, status, s.Attempts, s.CompAttempts, fmtTimePtr(s.StartedAt), fmtTimePtr(s.FinishedAt), oneLine(s.LastError))
+	}
+	p.f("\nCOMMANDS SENT\nSTEP\tPHASE\tATTEMPT\tTOPIC\tEVENT ID\tAT\n")
+	for _, s := range d.Steps {
+		for _, cmd := range s.Sent {
+			p.f("%s\t%s\t%d\t%s\t%s\t%s\n", s.Name, cmd.Phase, cmd.Attempt, cmd.Topic, cmd.EventID, fmtTime(cmd.At))
+		}
+	}
+	if len(d.Timers) > 0 {
+		p.f("\nTIMER\tACTION\tSTEP\tDUE\n")
+		for _, t := range d.Timers {
+			step := t.Step
+			if step == "" {
+				step = "-"
+			}
+			p.f("%s\t%s\t%s\t%s\n", t.Kind, t.Action, step, fmtTime(t.Due))
+		}
+	}
+	return p.flush(tw)
+}
+
+func (c *cli) sagaRequest(ctx context.Context, action string, args []string) error {
+	what := map[string]string{
+		"retry":      "Resumes a stuck saga: an orchestrator re-sends its compensation with a fresh attempt budget.",
+		"compensate": "Stops a running saga: an orchestrator compensates the steps that took effect.",
+	}[action]
+	fs := c.newFlagSet("saga "+action, "saga "+action+" [flags] ID\n\n"+what)
+	db := c.addDBFlags(fs)
+	id, err := c.oneID(fs, action, args)
+	if err != nil {
+		return err
+	}
+	admin, pool, err := sagaAdmin(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if action == "retry" {
+			return admin.RetryTx(ctx, tx, id)
+		}
+		return admin.CompensateTx(ctx, tx, id)
+	})
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out (watch it with: onceflow saga show %s)\n", action, id, id)
+	return err
+}
+
+// sagaAdmin connects for a saga command.
+func sagaAdmin(ctx context.Context, db *dbFlags) (*saga.Admin, *pgxpool.Pool, error) {
+	admin, err := saga.NewAdmin(db.schema)
+	if err != nil {
+		return nil, nil, err
+	}
+	pool, err := db.connect(ctx, "onceflow-saga")
+	return admin, pool, err
+}
+
+// oneID parses flags and exactly one positional saga id.
+func (c *cli) oneID(fs *flag.FlagSet, action string, args []string) (string, error) {
+	// Flags may come before or after the id.
+	var flags, pos []string
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		if strings.HasPrefix(a, "-") {
+			flags = append(flags, a)
+			if !strings.Contains(a, "=") && i+1 < len(args) && a != "-h" && a != "--help" {
+				flags = append(flags, args[i+1])
+				i++
+			}
+			continue
+		}
+		pos = append(pos, a)
+	}
+	if err := parse(fs, flags); err != nil {
+		return "", err
+	}
+	if len(pos) != 1 {
+		fmt.Fprintf(c.stderr, "onceflow saga %s: give exactly one saga id (see onceflow saga list)\n", action)
+		return "", errUsage
+	}
+	return pos[0], nil
+}
+
+func fmtTimePtr(t *time.Time) string {
+	if t == nil {
+		return "-"
+	}
+	return fmtTime(*t)
+}

@@ -1,0 +1,183 @@
+package saga_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/saga"
+)
+
+// command builds the message an orchestrator sends for step "reserve" of saga id.
+func command(id string, phase outbox.SagaPhase, attempt int) *message.Message {
+	msg := outbox.SetSaga(outbox.NewMessage([]byte(`{"order":"`+id+`"}`)), outbox.SagaRef{ID: id, Step: "reserve", Phase: phase, Attempt: attempt})
+	msg.Metadata.Set(outbox.MetadataSagaName, "checkout")
+	msg.Metadata.Set(outbox.MetadataSagaReplyTo, "checkout.replies")
+	msg.SetContext(context.Background())
+	return msg
+}
+
+// barrierWorld is one participant (consumer "inventory") whose action and compensation
+// record their effects.
+type barrierWorld struct {
+	*world
+	action, compensation message.NoPublishHandlerFunc
+}
+
+func newBarrierWorld(t *testing.T, slowAction time.Duration) *barrierWorld {
+	w := newWorld(t, checkoutDef(t, nil))
+	p := w.participant("reserve")
+	act := w.action("reserve")
+	return &barrierWorld{world: w,
+		action: saga.Action(p, func(ctx context.Context, tx pgx.Tx, cmd stepCmd) (stepResult, error) {
+			res, err := act(ctx, tx, cmd)
+			time.Sleep(slowAction) // holds the barrier row while a compensation arrives
+			return res, err
+		}),
+		compensation: saga.Compensation(p, w.compensation("reserve")),
+	}
+}
+
+// replies returns the outcomes of the replies in the outbox, as "phase:outcome".
+func (w *barrierWorld) replies() []string {
+	w.t.Helper()
+	rows, err := w.db.Pool.Query(context.Background(), `SELECT metadata->>'saga_phase' || ':' || (metadata->>'saga_outcome') FROM `+w.db.Schema+`.outbox WHERE topic = 'checkout.replies' ORDER BY id`)
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		w.t.Fatal(err)
+	}
+	return out
+}
+
+// Compensation before action: recorded and answered as a no-op (null compensation); the
+// action arriving afterwards is skipped (no hanging reservation). Duplicates of either are
+// dedup hits.
+func TestBarrierCompensationBeforeAction(t *testing.T) {
+	t.Parallel()
+	w := newBarrierWorld(t, 0)
+	for range 2 {
+		if err := w.compensation(command("s1", outbox.SagaPhaseCompensation, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 2 {
+		if err := w.action(command("s1", outbox.SagaPhaseAction, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if fx := w.effects("s1"); len(fx) != 0 {
+		t.Fatalf("effects %v, want none", fx)
+	}
+	if w.calls["reserve/action"] != 0 || w.calls["reserve/compensation"] != 0 {
+		t.Fatalf("handler calls %v, want none", w.calls)
+	}
+	if got := strings.Join(w.replies(), " "); got != "compensation:done" {
+		t.Fatalf("replies %q, want one compensation:done", got)
+	}
+	s := w.metrics.Snapshot()
+	if s.NullCompensations != 1 || s.HangingActions != 1 || s.Duplicates != 2 {
+		t.Fatalf("barrier metrics %+v, want 1 null compensation, 1 hanging action, 2 duplicates", s)
+	}
+}
+
+// Action, then its compensation: both run once, whatever the duplicates; a re-sent action
+// attempt after the effect is skipped (its first reply is on its way).
+func TestBarrierActionThenCompensation(t *testing.T) {
+	t.Parallel()
+	w := newBarrierWorld(t, 0)
+	for _, m := range []*message.Message{
+		command("s1", outbox.SagaPhaseAction, 1), command("s1", outbox.SagaPhaseAction, 1), command("s1", outbox.SagaPhaseAction, 2),
+	} {
+		if err := w.action(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 2 {
+		if err := w.compensation(command("s1", outbox.SagaPhaseCompensation, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := strings.Join(w.effects("s1"), " "); got != "reserve/action reserve/compensation" {
+		t.Fatalf("effects %q", got)
+	}
+	if got := strings.Join(w.replies(), " "); got != "action:done compensation:done" {
+		t.Fatalf("replies %q", got)
+	}
+}
+
+// Action and compensation at the same time, many times: either the action ran and was
+// compensated, or neither ran — never an action left standing, never a compensation of
+// nothing, never a double effect.
+func TestBarrierConcurrentActionAndCompensation(t *testing.T) {
+	t.Parallel()
+	w := newBarrierWorld(t, 5*time.Millisecond)
+	for i := range 30 {
+		id := "s" + string(rune('a'+i%26)) + strings.Repeat("x", i/26)
+		var wg sync.WaitGroup
+		errs := make(chan error, 4)
+		for _, run := range []func() error{
+			func() error { return w.action(command(id, outbox.SagaPhaseAction, 1)) },
+			func() error { return w.compensation(command(id, outbox.SagaPhaseCompensation, 1)) },
+			func() error { return w.action(command(id, outbox.SagaPhaseAction, 1)) },
+			func() error { return w.compensation(command(id, outbox.SagaPhaseCompensation, 1)) },
+		} {
+			wg.Add(1)
+			go func() { defer wg.Done(); errs <- run() }()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		fx := strings.Join(w.effects(id), " ")
+		if fx != "" && fx != "reserve/action reserve/compensation" {
+			t.Fatalf("saga %s: effects %q; want none, or the action then its compensation", id, fx)
+		}
+	}
+}
+
+// A participant's handler that ends its transaction with SQL fails the command and keeps
+// nothing: no effect, no dedup row, no barrier row, no reply; the redelivery runs again.
+func TestParticipantHandlerCannotCommit(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, checkoutDef(t, nil))
+	p := w.participant("reserve")
+	commitFirst := true
+	h := saga.Action(p, func(ctx context.Context, tx pgx.Tx, cmd stepCmd) (stepResult, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO `+w.db.Schema+`.effect (saga, step, phase) VALUES ($1, 'reserve', 'action')`, cmd.Order); err != nil {
+			return stepResult{}, err
+		}
+		if commitFirst {
+			_, _ = tx.Exec(ctx, `COMMIT`) // refused; the handler ignores the error
+		}
+		return stepResult{ID: "r"}, nil
+	})
+	if err := h(command("s1", outbox.SagaPhaseAction, 1)); !errors.Is(err, outbox.ErrTxManaged) {
+		t.Fatalf("err = %v, want ErrTxManaged", err)
+	}
+	if fx := w.effects("s1"); len(fx) != 0 {
+		t.Fatalf("effects %v kept", fx)
+	}
+	if n := w.count(`SELECT count(*) FROM ` + w.db.Schema + `.processed_event`); n != 0 {
+		t.Fatalf("%d dedup or barrier rows kept", n)
+	}
+	commitFirst = false
+	if err := h(command("s1", outbox.SagaPhaseAction, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if fx := w.effects("s1"); len(fx) != 1 {
+		t.Fatalf("effects %v after the redelivery", fx)
+	}
+}

@@ -1,0 +1,419 @@
+package saga
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// Orchestrator defaults.
+const (
+	// DefaultOrchestratorConsumer is the inbox consumer name the orchestrator records replies
+	// under.
+	DefaultOrchestratorConsumer = "onceflow-saga"
+	// DefaultTimerInterval is how often Run looks for due timers: a timer fires at most about
+	// this long after its deadline (plus the time to claim it).
+	DefaultTimerInterval = 200 * time.Millisecond
+	// DefaultTimerBatch bounds the timers fired in one transaction.
+	DefaultTimerBatch = 50
+	// commitTimeout bounds a transition's commit, which runs detached from the message's
+	// context: a transition that was computed should be kept, not redone, when the
+	// subscriber is closing.
+	commitTimeout = 10 * time.Second
+)
+
+// OrchestratorConfig configures an Orchestrator. Pool is required; the rest has defaults.
+type OrchestratorConfig struct {
+	// Pool holds the saga tables and the outbox. Required.
+	Pool *pgxpool.Pool
+	// Schema holds the saga tables, processed_event and the outbox. Default "onceflow".
+	Schema string
+	// Consumer is the inbox consumer under which replies are deduplicated. Default
+	// DefaultOrchestratorConsumer. Keep it stable.
+	Consumer string
+	// Writer writes the commands; default outbox.NewWriter(outbox.Config{Schema: Schema}).
+	Writer *outbox.Writer
+	// TimerInterval is how often Run looks for due timers. Default DefaultTimerInterval.
+	TimerInterval time.Duration
+	// TimerBatch bounds the timers fired in one transaction. Default DefaultTimerBatch
+	// (at most 60: each is one saga row lock held until the batch commits).
+	TimerBatch int
+	// Logger receives transitions that failed and ignored events (debug). Default
+	// slog.Default().
+	Logger *slog.Logger
+	// Metrics receives the orchestrator's measurements. Default NopMetrics{}.
+	Metrics Metrics
+}
+
+// Orchestrator drives the sagas of the registered definitions: Handler consumes the
+// participants' replies (through the inbox's dedup), Run fires the durable timers. Each
+// transition — the reply's dedup row, the saga row, the next command in the outbox and the
+// timers — commits in one transaction. Several orchestrators (processes) may run on one
+// schema: replies are keyed by saga id, timers are claimed with SKIP LOCKED, and a saga row is
+// locked while it changes.
+type Orchestrator struct {
+	cfg OrchestratorConfig
+	ib  *inbox.Inbox
+	st  store
+
+	mu   sync.RWMutex
+	defs map[defKey]definition
+}
+
+type defKey struct {
+	name    string
+	version int
+}
+
+// NewOrchestrator validates cfg, reporting every problem at once (*ConfigError).
+func NewOrchestrator(cfg OrchestratorConfig) (*Orchestrator, error) {
+	if cfg.Schema == "" {
+		cfg.Schema = pgsql.DefaultSchema
+	}
+	if cfg.Consumer == "" {
+		cfg.Consumer = DefaultOrchestratorConsumer
+	}
+	if cfg.TimerInterval == 0 {
+		cfg.TimerInterval = DefaultTimerInterval
+	}
+	if cfg.TimerBatch == 0 {
+		cfg.TimerBatch = DefaultTimerBatch
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = NopMetrics{}
+	}
+	var problems []error
+	if cfg.Pool == nil {
+		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool of the database holding the saga tables"))
+	}
+	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
+		problems = append(problems, err)
+	}
+	if cfg.TimerInterval < 10*time.Millisecond {
+		problems = append(problems, fmt.Errorf("TimerInterval is %s; use 0 for the default (%s) or at least 10ms", cfg.TimerInterval, DefaultTimerInterval))
+	}
+	if cfg.TimerBatch < 1 || cfg.TimerBatch > 60 {
+		problems = append(problems, fmt.Errorf("TimerBatch is %d; use 0 for the default (%d) or 1..60", cfg.TimerBatch, DefaultTimerBatch))
+	}
+	var ib *inbox.Inbox
+	if len(problems) == 0 {
+		var err error
+		if cfg.Writer == nil {
+			if cfg.Writer, err = outbox.NewWriter(outbox.Config{Schema: cfg.Schema}); err != nil {
+				problems = append(problems, err)
+			}
+		}
+		if ib, err = inbox.New(inbox.Config{Pool: cfg.Pool, Schema: cfg.Schema, Consumer: cfg.Consumer, Writer: cfg.Writer, Logger: cfg.Logger}); err != nil {
+			problems = append(problems, err)
+		}
+	}
+	if err := config.Check("saga orchestrator", problems...); err != nil {
+		return nil, err
+	}
+	return &Orchestrator{cfg: cfg, ib: ib, st: newStore(cfg.Schema), defs: map[defKey]definition{}}, nil
+}
+
+// Register adds a definition to the orchestrator. Register every version that may still have
+// running sagas; registering the same name and version twice is refused.
+func Register[D any](o *Orchestrator, def *Definition[D]) error {
+	if def == nil {
+		return errors.New("saga: Register with a nil definition")
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	k := defKey{def.Name(), def.Version()}
+	if _, dup := o.defs[k]; dup {
+		return fmt.Errorf("saga: definition %q version %d is registered already", k.name, k.version)
+	}
+	o.defs[k] = def
+	return nil
+}
+
+// Config returns the configuration with defaults filled in.
+func (o *Orchestrator) Config() OrchestratorConfig { return o.cfg }
+
+// Metrics returns the orchestrator's Metrics, for StartTx's WithMetrics.
+func (o *Orchestrator) Metrics() Metrics { return o.cfg.Metrics }
+
+// ReplyTopics returns the reply topics of the registered definitions, sorted, without
+// duplicates: subscribe Handler to each.
+func (o *Orchestrator) ReplyTopics() []string {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	set := map[string]bool{}
+	for _, d := range o.defs {
+		set[d.replyTopic()] = true
+	}
+	out := make([]string, 0, len(set))
+	for t := range set {
+		out = append(out, t)
+	}
+	sort.Strings(out)
+	return out
+}
+
+func (o *Orchestrator) lookup(name string, version int) (definition, error) {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	d, ok := o.defs[defKey{name, version}]
+	if !ok {
+		return nil, fmt.Errorf("saga: definition %q version %d is not registered with this orchestrator; "+
+			"keep every version with running sagas registered (saga.Register) until they finish", name, version)
+	}
+	return d, nil
+}
+
+// Handler is the Watermill handler of the reply topics: register it with
+// router.AddConsumerHandler for each of ReplyTopics (with inboxkafka's subscriber settings).
+// It must not run behind the inbox middleware: it deduplicates replies itself, in the
+// transition's transaction.
+func (o *Orchestrator) Handler(msg *message.Message) error {
+	ref, isSaga, err := outbox.SagaOf(msg)
+	if err != nil || !isSaga {
+		// Not a reply this orchestrator can read: retrying cannot fix it.
+		o.cfg.Logger.Warn("saga: message on a reply topic without valid saga metadata; acknowledged and dropped",
+			"message_uuid", msg.UUID, "err", err)
+		o.cfg.Metrics.Ignored(msg.Metadata.Get(outbox.MetadataSagaName))
+		return nil
+	}
+	key, err := inbox.SagaKey(ref)
+	if err != nil {
+		o.cfg.Metrics.Ignored(msg.Metadata.Get(outbox.MetadataSagaName))
+		o.cfg.Logger.Warn("saga: reply without a usable key; dropped", "message_uuid", msg.UUID, "err", err)
+		return nil
+	}
+	ev := event{reply: &replyEvent{Step: ref.Step, Phase: ref.Phase, Attempt: ref.Attempt,
+		Outcome: msg.Metadata.Get(outbox.MetadataSagaOutcome), Reason: msg.Metadata.Get(outbox.MetadataSagaReason), Payload: msg.Payload}}
+	return o.transition(msg.Context(), ref.ID, key, ev)
+}
+
+// transition applies one event to saga id in one transaction. key, when set, is the reply's
+// dedup key, claimed in the same transaction.
+func (o *Orchestrator) transition(ctx context.Context, id, key string, ev event) error {
+	tx, err := o.cfg.Pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("saga: begin transaction: %w", err)
+	}
+	defer rollback(tx)
+	// One round trip: the reply's dedup claim and the saga row's lock. On a duplicate the lock
+	// was taken for nothing; the rollback releases it.
+	b := &pgx.Batch{}
+	claimed := true
+	if key != "" {
+		if err := o.ib.QueueClaim(b, key, &claimed); err != nil {
+			return err
+		}
+	}
+	var in *instance
+	var now time.Time
+	o.st.queueLock(b, id, &in, &now)
+	err = tx.SendBatch(ctx, b).Close()
+	if !claimed {
+		o.cfg.Logger.Debug("saga: duplicate reply skipped", "saga_id", id, "dedup_key", key)
+		return nil
+	}
+	if errors.Is(err, errNoSaga) {
+		o.cfg.Logger.Warn("saga: reply for an unknown saga acknowledged", "saga_id", id)
+		o.cfg.Metrics.Ignored("")
+		return commit(ctx, tx)
+	}
+	if err != nil {
+		return fmt.Errorf("saga: claim the reply and lock saga %q: %w", id, err)
+	}
+	def, err := o.lookup(in.Name, in.Version)
+	if err != nil {
+		return err
+	}
+	fx, err := o.apply(ctx, tx, def, in, now, ev)
+	if err != nil {
+		return err
+	}
+	if err := commit(ctx, tx); err != nil {
+		return err
+	}
+	o.observe(in, fx, now)
+	return nil
+}
+
+// apply computes a transition and stores it in tx.
+func (o *Orchestrator) apply(ctx context.Context, tx pgx.Tx, def definition, in *instance, now time.Time, ev event) (*effects, error) {
+	m := &machine{def: def, now: now, in: in}
+	if err := m.apply(ev); err != nil {
+		return nil, fmt.Errorf("saga %q (%s): %w", in.ID, in.Name, err)
+	}
+	if m.fx.stale != "" {
+		return &m.fx, nil // nothing changes; a reply's dedup row still commits
+	}
+	if err := o.st.saveTx(ctx, tx, o.cfg.Writer, in, &m.fx); err != nil {
+		return nil, err
+	}
+	return &m.fx, nil
+}
+
+func (o *Orchestrator) observe(in *instance, fx *effects, now time.Time) {
+	switch {
+	case fx.stale != "":
+		o.cfg.Metrics.Ignored(in.Name)
+		o.cfg.Logger.Debug("saga: event ignored", "saga_id", in.ID, "saga", in.Name, "why", fx.stale)
+	case fx.finished == StateCompleted:
+		o.cfg.Metrics.Completed(in.Name, now.Sub(in.CreatedAt))
+	case fx.finished == StateCompensated:
+		o.cfg.Metrics.Compensated(in.Name, now.Sub(in.CreatedAt))
+	case fx.becameStuck:
+		o.cfg.Metrics.Stuck(in.Name)
+		o.cfg.Logger.Error("saga: stuck; resume it with `onceflow saga retry` once the cause is fixed",
+			"saga_id", in.ID, "saga", in.Name, "error", in.Error)
+	}
+}
+
+// Run fires due timers (step timeouts, re-sends, deadlines, operator requests) every
+// TimerInterval until ctx ends, and returns nil then. A failed round is logged and retried.
+// Run it in every orchestrator process: each timer fires once, in the transaction that applies
+// its transition.
+func (o *Orchestrator) Run(ctx context.Context) error {
+	t := time.NewTicker(o.cfg.TimerInterval)
+	defer t.Stop()
+	for {
+		for {
+			n, err := o.FireDue(ctx)
+			if err != nil && ctx.Err() == nil {
+				o.cfg.Logger.Error("saga: firing due timers failed; retrying", "err", err)
+			}
+			if err != nil || n < o.cfg.TimerBatch {
+				break
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// FireDue fires the timers due now, up to TimerBatch of them, in one transaction, and returns
+// how many it fired. Run calls it; tests and single-process harnesses may call it directly.
+// When the batch fails, its timers are fired one per transaction, so one saga whose transition
+// keeps failing (it is postponed by a minute and logged) cannot hold up the others.
+func (o *Orchestrator) FireDue(ctx context.Context) (int, error) {
+	n, err := o.fireBatch(ctx, o.cfg.TimerBatch)
+	if err == nil || ctx.Err() != nil {
+		return n, err
+	}
+	o.cfg.Logger.Warn("saga: a batch of timers failed; firing them one at a time", "err", err)
+	fired := 0
+	for range o.cfg.TimerBatch {
+		n, err := o.fireBatch(ctx, 1)
+		var te *timerError
+		switch {
+		case errors.As(err, &te):
+			o.cfg.Logger.Error("saga: a timer's transition failed; postponed by a minute", "saga_id", te.sagaID, "kind", te.kind, "err", te.err)
+			if perr := o.postpone(ctx, te.sagaID, te.kind); perr != nil {
+				return fired, perr
+			}
+		case err != nil:
+			return fired, err
+		case n == 0:
+			return fired, nil
+		}
+		fired += n
+	}
+	return fired, nil
+}
+
+// timerError is a transition of one timer that failed.
+type timerError struct {
+	sagaID, kind string
+	err          error
+}
+
+func (e *timerError) Error() string {
+	return fmt.Sprintf("saga %q, %s timer: %v", e.sagaID, e.kind, e.err)
+}
+func (e *timerError) Unwrap() error { return e.err }
+
+func (o *Orchestrator) postpone(ctx context.Context, sagaID, kind string) error {
+	_, err := o.cfg.Pool.Exec(ctx, `UPDATE `+pgsql.Table(o.cfg.Schema, "saga_timer")+
+		` SET due_at = now() + interval '1 minute' WHERE saga_id = $1 AND kind = $2`, sagaID, kind)
+	return err
+}
+
+func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (int, error) {
+	tx, err := o.cfg.Pool.Begin(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("saga: begin transaction: %w", err)
+	}
+	defer rollback(tx)
+	dues, err := o.st.claimDueTx(ctx, tx, limit)
+	if err != nil || len(dues) == 0 {
+		return 0, err
+	}
+	type done struct {
+		in  *instance
+		fx  *effects
+		now time.Time
+	}
+	var fired []done
+	for _, d := range dues {
+		in, now, err := o.st.load(ctx, tx, d.sagaID, true)
+		if err != nil {
+			return 0, &timerError{d.sagaID, d.t.Kind, err}
+		}
+		def, err := o.lookup(in.Name, in.Version)
+		if err != nil {
+			return 0, &timerError{d.sagaID, d.t.Kind, err}
+		}
+		// The timer fires once: deleted in this transaction, before the transition may set the
+		// next one of its kind.
+		if _, err := tx.Exec(ctx, o.st.delTimer, d.sagaID, d.t.Kind); err != nil {
+			return 0, fmt.Errorf("saga: delete timer: %w", err)
+		}
+		t := d.t
+		fx, err := o.apply(ctx, tx, def, in, now, event{timer: &t})
+		if err != nil {
+			return 0, &timerError{d.sagaID, d.t.Kind, err}
+		}
+		fired = append(fired, done{in, fx, now})
+	}
+	if err := commit(ctx, tx); err != nil {
+		return 0, err
+	}
+	for _, f := range fired {
+		o.observe(f.in, f.fx, f.now)
+	}
+	return len(dues), nil
+}
+
+func rollback(tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.Background(), commitTimeout)
+	defer cancel()
+	_ = tx.Rollback(ctx) // a no-op after Commit; on a broken connection the server aborts it
+}
+
+// commit commits on a context detached from ctx's cancellation, with its own timeout: the
+// work is done, and a cancelled message context (a rebalance, a closing subscriber) must not
+// throw it away to be redone.
+func commit(ctx context.Context, tx pgx.Tx) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
+	defer cancel()
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("saga: commit: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,279 @@
+package saga
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// Fail returns the error a participant's handler returns for a business failure: the step
+// cannot succeed (stock short, payment declined), its writes are rolled back, and the
+// orchestrator compensates the steps before it. reason reaches the saga's history.
+func Fail(reason string) error {
+	return &outcomeError{outcome: outbox.SagaOutcomeFailed, reason: reason}
+}
+
+// Retry returns the error a participant's handler returns for a transient failure that a
+// later attempt may not have (a provider timing out): its writes are rolled back and the
+// orchestrator re-sends the command after the step's backoff, as the next attempt, until the
+// step's attempts are used up; then it compensates.
+func Retry(err error) error {
+	reason := "retry requested"
+	if err != nil {
+		reason = err.Error()
+	}
+	return &outcomeError{outcome: outbox.SagaOutcomeRetry, reason: reason, err: err}
+}
+
+// outcomeError is a handler's typed outcome; any other error fails the message instead (it is
+// redelivered, as the same attempt, and nothing is replied).
+type outcomeError struct {
+	outcome, reason string
+	err             error
+}
+
+func (e *outcomeError) Error() string { return "saga: step " + e.outcome + ": " + e.reason }
+func (e *outcomeError) Unwrap() error { return e.err }
+
+// ParticipantConfig configures a Participant. Pool and Consumer are required.
+type ParticipantConfig struct {
+	// Pool opens one transaction per command. Required.
+	Pool *pgxpool.Pool
+	// Schema holds processed_event and the outbox the replies go through. Default "onceflow".
+	Schema string
+	// Consumer names this participant in its dedup and barrier rows, e.g. "inventory".
+	// Required; keep it stable.
+	Consumer string
+	// Writer writes the replies; default outbox.NewWriter(outbox.Config{Schema: Schema}).
+	Writer *outbox.Writer
+	// Logger receives skipped commands (debug). Default slog.Default().
+	Logger *slog.Logger
+	// Metrics counts the barrier's decisions (Metrics.Barrier). Default NopMetrics{}.
+	Metrics Metrics
+}
+
+// Participant turns typed step handlers into idempotent Watermill handlers (Action,
+// Compensation). Each command runs in one transaction holding its dedup row, the barrier's
+// rows, the handler's writes and the reply (through the outbox), so a duplicated, late or
+// reordered command acts at most once:
+//
+//   - the same command delivered again is skipped (dedup on saga id, step, phase, attempt);
+//   - an action whose earlier attempt took effect is skipped: its reply is already on its way;
+//   - a compensation whose action never ran is recorded and answered without running the
+//     compensation handler (null compensation), and an action that arrives after its
+//     compensation is skipped (no hanging effect) — DTM's barrier, on processed_event.
+//
+// Run its handlers without the inbox middleware: they deduplicate themselves.
+type Participant struct {
+	cfg ParticipantConfig
+	ib  *inbox.Inbox
+}
+
+// NewParticipant validates cfg, reporting every problem at once (*ConfigError).
+func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
+	if cfg.Schema == "" {
+		cfg.Schema = pgsql.DefaultSchema
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = NopMetrics{}
+	}
+	var problems []error
+	if cfg.Writer == nil {
+		w, err := outbox.NewWriter(outbox.Config{Schema: cfg.Schema})
+		if err != nil {
+			problems = append(problems, err)
+		}
+		cfg.Writer = w
+	}
+	ib, err := inbox.New(inbox.Config{Pool: cfg.Pool, Schema: cfg.Schema, Consumer: cfg.Consumer, Writer: cfg.Writer, Logger: cfg.Logger})
+	var ce *ConfigError
+	if errors.As(err, &ce) {
+		problems = append(problems, ce.Problems...)
+	} else if err != nil {
+		problems = append(problems, err)
+	}
+	if err := config.Check("saga participant", problems...); err != nil {
+		return nil, err
+	}
+	return &Participant{cfg: cfg, ib: ib}, nil
+}
+
+// Action returns the Watermill handler of a step's command: it decodes the command (JSON) into
+// C, runs h in the command's transaction and replies with h's result R (JSON). h returns
+// Fail(reason) for a business failure, Retry(err) for a transient one; any other error fails
+// the message (rolled back and redelivered, nothing replied). h must not commit or roll back
+// tx (the participant does; tx.Begin savepoints are fine).
+func Action[C, R any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C) (R, error)) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		return p.handle(msg, outbox.SagaPhaseAction, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			var cmd C
+			if err := json.Unmarshal(msg.Payload, &cmd); err != nil {
+				return nil, Fail(fmt.Sprintf("cannot decode the command as %T: %v", cmd, err))
+			}
+			res, err := h(ctx, tx, cmd)
+			if err != nil {
+				return nil, err
+			}
+			return json.Marshal(res)
+		})
+	}
+}
+
+// Compensation returns the Watermill handler of a step's compensation command, like Action.
+// h must undo the action's effect; it runs only if the action took effect (the barrier
+// answers a compensation of an action that never ran without calling h). Fail and Retry both
+// ask the orchestrator to re-send it; after the saga's compensation attempts it is stuck.
+func Compensation[C any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C) error) message.NoPublishHandlerFunc {
+	return func(msg *message.Message) error {
+		return p.handle(msg, outbox.SagaPhaseCompensation, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+			var cmd C
+			if err := json.Unmarshal(msg.Payload, &cmd); err != nil {
+				return nil, Fail(fmt.Sprintf("cannot decode the compensation as %T: %v", cmd, err))
+			}
+			return []byte("{}"), h(ctx, tx, cmd)
+		})
+	}
+}
+
+// barrierKey is the participant's record that a step's action (or compensation) took effect.
+// It has no attempt: it says whether any attempt did.
+func barrierKey(sagaID, step string, phase outbox.SagaPhase) string {
+	return "saga-barrier:" + strconv.Quote(sagaID) + ":" + strconv.Quote(step) + ":" + string(phase)
+}
+
+// errTxManaged is what Commit and Rollback return on a handler's transaction.
+var errTxManaged = fmt.Errorf("%w (saga participant: it commits after writing the reply; to abort, return an error)", outbox.ErrTxManaged)
+
+func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run func(context.Context, pgx.Tx) ([]byte, error)) error {
+	ref, isSaga, err := outbox.SagaOf(msg)
+	if err == nil && !isSaga {
+		err = errors.New("no saga metadata")
+	}
+	replyTo := msg.Metadata.Get(outbox.MetadataSagaReplyTo)
+	if err == nil && replyTo == "" {
+		err = fmt.Errorf("metadata %q is empty", outbox.MetadataSagaReplyTo)
+	}
+	if err == nil && ref.Phase != phase {
+		err = fmt.Errorf("a %s command reached the %s handler; subscribe each handler to its own topic", ref.Phase, phase)
+	}
+	if err != nil {
+		// Poison: no retry can fix it; inbox.IsPoison is true so a poison queue takes it.
+		return fmt.Errorf("saga participant %q: message %q: %w: %w", p.cfg.Consumer, msg.UUID, inbox.ErrNoKey, err)
+	}
+	key, err := inbox.SagaKey(ref)
+	if err != nil {
+		return err
+	}
+	ctx := msg.Context()
+	tx, err := p.cfg.Pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
+	}
+	defer rollback(tx)
+	actionKey := barrierKey(ref.ID, ref.Step, outbox.SagaPhaseAction)
+	compKey := barrierKey(ref.ID, ref.Step, outbox.SagaPhaseCompensation)
+	// One round trip: the command's dedup claim, the savepoint that the handler's writes (and
+	// the barrier's claims) roll back to on Fail or Retry, and the barrier. The claims lock
+	// in one order (action key, then compensation key) in every transaction, so an action
+	// and its compensation wait for each other instead of deadlocking.
+	b := &pgx.Batch{}
+	var fresh, actionFree, compFree, compensated bool
+	if err := p.ib.QueueClaim(b, key, &fresh); err != nil {
+		return err
+	}
+	b.Queue(`SAVEPOINT onceflow_saga_step`)
+	if err := p.ib.QueueClaim(b, actionKey, &actionFree); err != nil {
+		return err
+	}
+	if phase == outbox.SagaPhaseAction {
+		// Read after the action key's claim, which waited for a concurrent compensation: if
+		// that committed, its key is visible here.
+		err = p.ib.QueueSeen(b, compKey, &compensated)
+	} else {
+		err = p.ib.QueueClaim(b, compKey, &compFree)
+	}
+	if err != nil {
+		return err
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("saga participant %q: claim %s: %w", p.cfg.Consumer, key, err)
+	}
+	if !fresh {
+		p.skip(ref, BarrierDuplicate, "the same command again")
+		return nil
+	}
+	var payload []byte
+	var runErr error
+	switch {
+	case phase == outbox.SagaPhaseAction && !actionFree && compensated:
+		p.skip(ref, BarrierHangingAction, "the action arrived after its compensation")
+		return commit(ctx, tx) // keep this attempt's dedup row
+	case phase == outbox.SagaPhaseAction && !actionFree:
+		p.skip(ref, BarrierDuplicate, "an earlier attempt took effect; its reply is on its way")
+		return commit(ctx, tx)
+	case phase == outbox.SagaPhaseCompensation && actionFree:
+		// The action never ran; its key is now taken, so it never will. Nothing to undo.
+		p.skip(ref, BarrierNullCompensation, "the action never ran")
+		payload = []byte("{}")
+	case phase == outbox.SagaPhaseCompensation && !compFree:
+		p.skip(ref, BarrierDuplicate, "an earlier attempt compensated; its reply is on its way")
+		return commit(ctx, tx)
+	default:
+		payload, runErr = p.runHandler(ctx, tx, run)
+	}
+	outcome, reason := outbox.SagaOutcomeDone, ""
+	var oe *outcomeError
+	switch {
+	case errors.As(runErr, &oe):
+		outcome, reason, payload = oe.outcome, oe.reason, []byte("{}")
+		if _, err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_step`); err != nil {
+			return fmt.Errorf("saga participant %q: roll back the handler's writes: %w", p.cfg.Consumer, err)
+		}
+	case runErr != nil:
+		return runErr // everything rolls back; the command is redelivered
+	}
+	reply := outbox.SetPartitionKey(outbox.NewMessage(payload), ref.ID)
+	outbox.SetSaga(reply, ref)
+	reply.Metadata.Set(outbox.MetadataSagaName, msg.Metadata.Get(outbox.MetadataSagaName))
+	reply.Metadata.Set(outbox.MetadataSagaOutcome, outcome)
+	if reason != "" {
+		reply.Metadata.Set(outbox.MetadataSagaReason, reason)
+	}
+	if err := p.cfg.Writer.WriteTx(ctx, tx, replyTo, reply); err != nil {
+		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, err)
+	}
+	return commit(ctx, tx)
+}
+
+// runHandler runs the handler on a view of tx that it cannot end. A handler that tried to end
+// it (COMMIT in SQL) or left it aborted fails the command, whatever it returned: its writes
+// cannot be trusted to be whole.
+func (p *Participant) runHandler(ctx context.Context, tx pgx.Tx, run func(context.Context, pgx.Tx) ([]byte, error)) ([]byte, error) {
+	view, done := pgsql.ManagedTx(tx, errTxManaged)
+	payload, err := run(ctx, view)
+	if misuse := done(); misuse != nil {
+		return nil, fmt.Errorf("saga participant %q: %w", p.cfg.Consumer, misuse)
+	}
+	return payload, err
+}
+
+func (p *Participant) skip(ref outbox.SagaRef, o BarrierOutcome, why string) {
+	p.cfg.Metrics.Barrier(p.cfg.Consumer, o)
+	p.cfg.Logger.Debug("saga participant: command skipped", "consumer", p.cfg.Consumer, "saga_id", ref.ID,
+		"step", ref.Step, "phase", ref.Phase, "attempt", ref.Attempt, "why", why)
+}

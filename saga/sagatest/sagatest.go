@@ -1,0 +1,179 @@
+// Package sagatest runs sagas in a single process for tests: Bus stands in for the relay and
+// the broker, handing the outbox rows that orchestrators and participants write to the
+// handlers subscribed to their topics, in outbox order, and firing due timers — so a test
+// drives a saga to its end with real PostgreSQL transactions and no Kafka.
+//
+//	bus := sagatest.NewBus(pool, schema)
+//	bus.Subscribe("inventory.reserve", saga.Action(inventory, reserve))
+//	bus.Subscribe(def.ReplyTopic(), orch.Handler)
+//	id, _ := saga.StartTx(ctx, tx, def, data) // ... commit
+//	err := bus.RunUntil(ctx, func() bool { return finished(id) })
+//
+// The handlers see each message once per delivery; DeliverTwice duplicates every delivery,
+// to check that duplicates change nothing.
+package sagatest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/saga"
+)
+
+// Bus delivers outbox rows to subscribed handlers. It is not safe for concurrent use.
+type Bus struct {
+	pool     *pgxpool.Pool
+	schema   string
+	handlers map[string][]func(*message.Message) error
+	orchs    []*saga.Orchestrator
+	// DeliverTwice hands every message to its handlers twice (two copies with the same UUID
+	// and metadata), like a broker redelivering it.
+	DeliverTwice bool
+	// Concurrent hands the copies of a message (every handler of its topic, twice with
+	// DeliverTwice) over at the same time, each in its own goroutine, like a rebalance that
+	// gives one message to two consumers — subscribe two orchestrators or two participant
+	// instances to a topic to race them.
+	Concurrent bool
+	// Delivered counts the messages handed to handlers (copies included).
+	Delivered int
+}
+
+// NewBus returns a bus over the outbox of schema.
+func NewBus(pool *pgxpool.Pool, schema string) *Bus {
+	return &Bus{pool: pool, schema: schema, handlers: map[string][]func(*message.Message) error{}}
+}
+
+// Subscribe hands every message written to topic to h (Action, Compensation, or an
+// orchestrator's Handler).
+func (b *Bus) Subscribe(topic string, h func(*message.Message) error) {
+	b.handlers[topic] = append(b.handlers[topic], h)
+}
+
+// Orchestrate subscribes o.Handler to o's reply topics and lets Deliver fire o's due timers.
+func (b *Bus) Orchestrate(o *saga.Orchestrator) {
+	for _, t := range o.ReplyTopics() {
+		b.Subscribe(t, o.Handler)
+	}
+	b.orchs = append(b.orchs, o)
+}
+
+// Deliver fires due timers, then hands every outbox row pending now to the handlers of its
+// topic, in outbox order, deleting each row once its handlers succeeded. It returns how many
+// rows it delivered. A handler error stops it and is returned; that row stays pending.
+// Rows of topics nobody subscribed to are left in the outbox.
+func (b *Bus) Deliver(ctx context.Context) (int, error) {
+	for _, o := range b.orchs {
+		if _, err := o.FireDue(ctx); err != nil {
+			return 0, err
+		}
+	}
+	outbox := pgsql.Table(b.schema, "outbox")
+	rows, err := b.pool.Query(ctx, `SELECT id, event_id::text, topic, payload, metadata FROM `+outbox+` ORDER BY id`)
+	if err != nil {
+		return 0, err
+	}
+	type row struct {
+		id    int64
+		msg   *message.Message
+		topic string
+	}
+	pending, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (row, error) {
+		var x row
+		var eventID string
+		var payload []byte
+		var md map[string]string
+		if err := r.Scan(&x.id, &eventID, &x.topic, &payload, &md); err != nil {
+			return x, err
+		}
+		x.msg = message.NewMessage(eventID, payload)
+		for k, v := range md {
+			x.msg.Metadata.Set(k, v)
+		}
+		return x, nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, r := range pending {
+		hs := b.handlers[r.topic]
+		if len(hs) == 0 {
+			continue
+		}
+		copies := 1
+		if b.DeliverTwice {
+			copies = 2
+		}
+		var deliveries []func() error
+		for _, h := range hs {
+			for range copies {
+				m := r.msg.Copy()
+				m.SetContext(ctx)
+				deliveries = append(deliveries, func() error { return h(m) })
+			}
+		}
+		b.Delivered += len(deliveries)
+		if err := b.run(deliveries); err != nil {
+			return n, fmt.Errorf("sagatest: handler of %q failed on message %s: %w", r.topic, r.msg.UUID, err)
+		}
+		if _, err := b.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = $1`, r.id); err != nil {
+			return n, err
+		}
+		n++
+	}
+	return n, nil
+}
+
+// run calls the deliveries one after the other, or all at once when Concurrent is set.
+func (b *Bus) run(deliveries []func() error) error {
+	if !b.Concurrent {
+		for _, d := range deliveries {
+			if err := d(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	errs := make([]error, len(deliveries))
+	var wg sync.WaitGroup
+	for i, d := range deliveries {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = d() }()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// ErrTimeout is returned by RunUntil when done did not become true in time.
+var ErrTimeout = errors.New("sagatest: condition not reached in time")
+
+// RunUntil calls Deliver until done returns true, waiting briefly whenever nothing was
+// pending (timers may be due later), for at most a minute or until ctx ends.
+func (b *Bus) RunUntil(ctx context.Context, done func() bool) error {
+	deadline := time.Now().Add(time.Minute)
+	for !done() {
+		if time.Now().After(deadline) {
+			return ErrTimeout
+		}
+		n, err := b.Deliver(ctx)
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,500 @@
+package saga
+
+import (
+	"encoding/json"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// State is where a saga is in its life. A saga is running until its last step succeeds
+// (completed) or a step fails for a business reason, runs out of attempts, times out or hits
+// the saga deadline, after which it compensates the steps that took effect, last first
+// (compensating, then compensated). A compensation that keeps failing stops the saga in
+// stuck, with its error, until an operator resumes it (`onceflow saga retry`).
+type State string
+
+// The saga states.
+const (
+	StateRunning      State = "running"
+	StateCompensating State = "compensating"
+	StateCompleted    State = "completed"
+	StateCompensated  State = "compensated"
+	StateStuck        State = "stuck"
+)
+
+// Finished reports whether the saga has ended (completed or compensated).
+func (s State) Finished() bool { return s == StateCompleted || s == StateCompensated }
+
+// Step statuses, as shown by `onceflow saga show`.
+const (
+	stepPending      = "pending"      // not reached
+	stepRunning      = "running"      // command sent, waiting for the reply or a re-send
+	stepDone         = "done"         // the action took effect
+	stepFailed       = "failed"       // the action failed (no effect, or an unknown one when uncertain)
+	stepCompensating = "compensating" // compensation sent
+	stepCompensated  = "compensated"  // compensation took effect (or was a no-op: the action never ran)
+	stepKept         = "kept"         // took effect and has no compensation
+)
+
+// waiting says what a saga in flight waits for.
+const (
+	waitReply  = "reply"  // the reply to the current attempt
+	waitResend = "resend" // the backoff before re-sending the command
+)
+
+// instance is one saga's row: its state and history.
+type instance struct {
+	ID        string
+	Name      string
+	Version   int
+	State     State
+	Step      int    // index of the current step (being run or compensated)
+	Attempt   int    // the current attempt of the current step's phase
+	Budget    int    // attempts before the current budget (an operator's retry starts a new one)
+	Waiting   string // waitReply or waitResend
+	Data      json.RawMessage
+	Steps     []StepHistory
+	Error     string
+	CreatedAt time.Time
+	UpdatedAt time.Time
+}
+
+// StepHistory is the history of one step of a saga, stored as JSON with it and shown by
+// `onceflow saga show`.
+type StepHistory struct {
+	// Name is the step's name in the definition.
+	Name string `json:"name"`
+	// Status is pending, running, done, failed, compensating, compensated or kept (took
+	// effect and has no compensation).
+	Status string `json:"status"`
+	// Attempts and CompAttempts count the action and compensation commands sent.
+	Attempts     int `json:"attempts,omitempty"`
+	CompAttempts int `json:"comp_attempts,omitempty"`
+	// Uncertain is set when an attempt timed out (or a deadline or operator interrupted it):
+	// its effect is unknown, so the step is compensated too (a no-op if it never ran).
+	Uncertain bool `json:"uncertain,omitempty"`
+	// LastError is the last failure reported for the step.
+	LastError string `json:"last_error,omitempty"`
+	// Sent lists the commands written to the outbox, in order.
+	Sent       []SentCommand `json:"sent,omitempty"`
+	StartedAt  *time.Time    `json:"started_at,omitempty"`
+	FinishedAt *time.Time    `json:"finished_at,omitempty"`
+}
+
+// SentCommand records a command the saga wrote to the outbox.
+type SentCommand struct {
+	// Phase, Attempt: which command; Topic and EventID: where it went, with which event id.
+	Phase   outbox.SagaPhase `json:"phase"`
+	Attempt int              `json:"attempt"`
+	Topic   string           `json:"topic"`
+	EventID string           `json:"event_id"`
+	At      time.Time        `json:"at"`
+}
+
+func (in *instance) phase() outbox.SagaPhase {
+	if in.State == StateRunning {
+		return outbox.SagaPhaseAction
+	}
+	return outbox.SagaPhaseCompensation
+}
+
+// timer kinds: one per saga and kind (the primary key of saga_timer).
+const (
+	timerStep     = "step"     // a step's timeout or re-send backoff
+	timerDeadline = "deadline" // the saga-wide deadline
+	timerOperator = "operator" // an operator's request (retry, compensate), due at once
+)
+
+// Timer actions.
+const (
+	actTimeout    = "timeout"
+	actResend     = "resend"
+	actDeadline   = "deadline"
+	actRetry      = "retry"
+	actCompensate = "compensate"
+)
+
+// timer is a saga_timer row.
+type timer struct {
+	Kind    string
+	Step    int
+	Phase   outbox.SagaPhase
+	Attempt int
+	Action  string
+	Due     time.Time
+}
+
+// event is what drives a transition: a reply, a due timer or an operator's request.
+type event struct {
+	reply *replyEvent
+	timer *timer
+}
+
+type replyEvent struct {
+	Step    string
+	Phase   outbox.SagaPhase
+	Attempt int
+	Outcome string
+	Reason  string
+	Payload []byte
+}
+
+// effects is what a transition asks the store to do in the same transaction.
+type effects struct {
+	commands   []*message.Message // written to the outbox
+	setStep    *timer             // upsert the step timer
+	cancelStep bool               // delete the step timer
+	cancelAll  bool               // the saga ended: delete every timer
+	stale      string             // the event changed nothing; why (for logs and metrics)
+	// hadStepTimer and hadDeadline say whether those timers existed before the transition,
+	// so that cancelling a timer that is not there costs no statement.
+	hadStepTimer, hadDeadline bool
+	finished                  State // StateCompleted or StateCompensated when the saga ended now
+	becameStuck               bool
+}
+
+// machine applies events to a saga of one definition. It is pure: no I/O, the clock is given.
+type machine struct {
+	def definition
+	now time.Time
+	in  *instance
+	fx  effects
+}
+
+// apply runs one event. An error means the transition could not be computed (a corrupt row, a
+// definition that no longer matches it); the caller fails the message or timer and retries.
+func (m *machine) apply(ev event) error {
+	in := m.in
+	live := in.State == StateRunning || in.State == StateCompensating
+	m.fx.hadStepTimer = live && (in.Waiting == waitResend || (in.Waiting == waitReply && m.def.step(in.Step).timeout > 0))
+	m.fx.hadDeadline = in.State == StateRunning && m.def.deadline() > 0
+	if ev.timer != nil {
+		// The firing transaction deleted the timer already.
+		m.fx.hadStepTimer = m.fx.hadStepTimer && ev.timer.Kind != timerStep
+		m.fx.hadDeadline = m.fx.hadDeadline && ev.timer.Kind != timerDeadline
+	}
+	switch {
+	case ev.reply != nil:
+		return m.onReply(*ev.reply)
+	case ev.timer != nil:
+		return m.onTimer(*ev.timer)
+	}
+	return fmt.Errorf("saga: empty event")
+}
+
+func (m *machine) stale(why string) error {
+	m.fx.stale = why
+	return nil
+}
+
+func (m *machine) onReply(r replyEvent) error {
+	in := m.in
+	idx := m.def.stepIndex(r.Step)
+	switch {
+	case idx < 0:
+		return m.stale(fmt.Sprintf("reply for unknown step %q", r.Step))
+	case in.State.Finished():
+		return m.stale("reply after the saga " + string(in.State))
+	case idx != in.Step:
+		return m.stale(fmt.Sprintf("reply for step %q while the saga is at step %q", r.Step, m.def.step(in.Step).name))
+	case r.Phase != in.phase():
+		return m.stale(fmt.Sprintf("%s reply while the saga is %s", r.Phase, in.State))
+	case r.Attempt > in.Attempt:
+		return m.stale(fmt.Sprintf("reply for attempt %d, but only %d were sent", r.Attempt, in.Attempt))
+	case r.Attempt < in.Attempt && r.Outcome != outbox.SagaOutcomeDone:
+		// A late failure of an earlier attempt says nothing about the current one. A late
+		// success does count: the effect happened, and the participant skips later attempts of
+		// an action that took effect, so waiting for them would only time out.
+		return m.stale(fmt.Sprintf("late %s reply of attempt %d (attempt %d is current)", r.Outcome, r.Attempt, in.Attempt))
+	case in.Waiting == waitResend && r.Outcome != outbox.SagaOutcomeDone:
+		return m.stale("failure reply while a re-send is already scheduled")
+	}
+	rec := &in.Steps[idx]
+	if r.Phase == outbox.SagaPhaseAction {
+		switch r.Outcome {
+		case outbox.SagaOutcomeDone:
+			return m.actionDone(idx, Reply{Payload: r.Payload, Attempt: r.Attempt})
+		case outbox.SagaOutcomeFailed:
+			rec.LastError = "failed: " + r.Reason
+			if idx >= m.def.pivotIndex() {
+				return m.resendLater(idx, rec.LastError) // past the point of no return: retry until it succeeds
+			}
+			return m.actionFailed(idx, rec.LastError, rec.Uncertain)
+		case outbox.SagaOutcomeRetry:
+			return m.retryOrGiveUp(idx, "retry: "+r.Reason)
+		}
+		return m.stale(fmt.Sprintf("reply with unknown outcome %q", r.Outcome)) // retrying cannot fix it
+	}
+	switch r.Outcome {
+	case outbox.SagaOutcomeDone:
+		return m.compensationDone(idx)
+	case outbox.SagaOutcomeFailed, outbox.SagaOutcomeRetry:
+		return m.retryOrGiveUp(idx, r.Outcome+": "+r.Reason)
+	}
+	return m.stale(fmt.Sprintf("reply with unknown outcome %q", r.Outcome))
+}
+
+func (m *machine) onTimer(t timer) error {
+	in := m.in
+	switch t.Kind {
+	case timerDeadline:
+		if in.State != StateRunning {
+			return m.stale("deadline after the saga " + string(in.State))
+		}
+		if in.Step >= m.def.pivotIndex() {
+			return m.stale("deadline after the pivot: the saga can only go forward")
+		}
+		in.Steps[in.Step].Uncertain = true // the command in flight may still act
+		return m.actionFailed(in.Step, "saga deadline exceeded", true)
+	case timerOperator:
+		return m.onOperator(t.Action)
+	case timerStep:
+	default:
+		return fmt.Errorf("saga: timer of unknown kind %q", t.Kind)
+	}
+	if in.State.Finished() || in.Step != t.Step || in.phase() != t.Phase || in.Attempt != t.Attempt {
+		return m.stale("timer of a step or attempt that is over")
+	}
+	switch t.Action {
+	case actResend:
+		if in.Waiting != waitResend {
+			return m.stale("re-send timer while not waiting to re-send")
+		}
+		in.Attempt++
+		in.Waiting = waitReply
+		return m.send(in.Step, in.phase(), in.Attempt)
+	case actTimeout:
+		if in.Waiting != waitReply {
+			return m.stale("timeout while not waiting for a reply")
+		}
+		rec := &in.Steps[in.Step]
+		reason := fmt.Sprintf("attempt %d timed out after %s", in.Attempt, m.def.step(in.Step).timeout)
+		if in.phase() == outbox.SagaPhaseAction {
+			rec.Uncertain = true
+			if in.Step >= m.def.pivotIndex() || in.Attempt-in.Budget < m.def.step(in.Step).attempts {
+				rec.LastError = reason
+				return m.resendNow(in.Step)
+			}
+			return m.actionFailed(in.Step, reason, true)
+		}
+		if in.Attempt-in.Budget < m.def.compensationAttempts() {
+			rec.LastError = reason
+			return m.resendNow(in.Step)
+		}
+		return m.stuck(reason)
+	}
+	return fmt.Errorf("saga: step timer with unknown action %q", t.Action)
+}
+
+func (m *machine) onOperator(action string) error {
+	in := m.in
+	switch action {
+	case actRetry:
+		if in.State != StateStuck {
+			return m.stale("retry requested, but the saga is " + string(in.State) + ", not stuck")
+		}
+		in.State = StateCompensating
+		in.Error = ""
+		in.Budget = in.Attempt // a fresh attempt budget
+		in.Attempt++
+		in.Waiting = waitReply
+		return m.send(in.Step, outbox.SagaPhaseCompensation, in.Attempt)
+	case actCompensate:
+		if in.State != StateRunning {
+			return m.stale("compensation requested, but the saga is " + string(in.State))
+		}
+		if in.Step >= m.def.pivotIndex() {
+			return m.stale("compensation requested after the pivot: the saga can only go forward")
+		}
+		in.Steps[in.Step].Uncertain = true
+		return m.actionFailed(in.Step, "compensation requested by an operator", true)
+	}
+	return fmt.Errorf("saga: operator request %q unknown", action)
+}
+
+// actionDone: step idx took effect; run OnReply, then the next step or completion.
+func (m *machine) actionDone(idx int, r Reply) error {
+	in := m.in
+	rec := &in.Steps[idx]
+	rec.Status = stepDone
+	rec.LastError = ""
+	rec.FinishedAt = m.stamp()
+	m.fx.cancelStep = true
+	data, err := m.def.onReply(idx, in.Data, r)
+	if err != nil {
+		// The effect happened but the orchestrator cannot use the reply: undo it with the rest.
+		return m.compensateFrom(idx, fmt.Sprintf("step %q: reply handler: %v", rec.Name, err))
+	}
+	in.Data = data
+	if idx+1 == len(in.Steps) {
+		return m.finish(StateCompleted)
+	}
+	in.Step, in.Attempt, in.Budget, in.Waiting = idx+1, 1, 0, waitReply
+	return m.send(idx+1, outbox.SagaPhaseAction, 1)
+}
+
+// actionFailed: step idx failed for good. Its own compensation runs only when its effect is
+// unknown (a timeout, a deadline or an operator interrupted it): the participant's barrier
+// makes that a no-op if the action never ran.
+func (m *machine) actionFailed(idx int, reason string, includeCurrent bool) error {
+	rec := &m.in.Steps[idx]
+	rec.Status = stepFailed
+	rec.LastError = reason
+	rec.FinishedAt = m.stamp()
+	m.fx.cancelStep = true
+	from := idx - 1
+	if includeCurrent {
+		from = idx
+	}
+	return m.compensateFrom(from, fmt.Sprintf("step %q: %s", rec.Name, reason))
+}
+
+// compensateFrom starts compensating, from step from down to the first.
+func (m *machine) compensateFrom(from int, reason string) error {
+	m.in.Error = reason
+	m.in.State = StateCompensating
+	return m.nextCompensation(from)
+}
+
+// nextCompensation sends the compensation of the highest step <= from that took (or may have
+// taken) effect and has one; steps without one are kept. None left: compensated.
+func (m *machine) nextCompensation(from int) error {
+	in := m.in
+	for j := from; j >= 0; j-- {
+		rec := &in.Steps[j]
+		tookEffect := rec.Status == stepDone || (rec.Status == stepFailed && rec.Uncertain)
+		if !tookEffect {
+			continue
+		}
+		if !m.def.step(j).hasCompensation() {
+			if rec.Status == stepDone {
+				rec.Status = stepKept
+			}
+			continue
+		}
+		rec.Status = stepCompensating
+		in.Step, in.Attempt, in.Budget, in.Waiting = j, 1, 0, waitReply
+		return m.send(j, outbox.SagaPhaseCompensation, 1)
+	}
+	return m.finish(StateCompensated)
+}
+
+func (m *machine) compensationDone(idx int) error {
+	rec := &m.in.Steps[idx]
+	rec.Status = stepCompensated
+	rec.LastError = ""
+	rec.FinishedAt = m.stamp()
+	m.fx.cancelStep = true
+	return m.nextCompensation(idx - 1)
+}
+
+// retryOrGiveUp handles a failed attempt the participant asked to retry (or a failed
+// compensation): re-send after the backoff while the budget lasts, else give up.
+func (m *machine) retryOrGiveUp(idx int, reason string) error {
+	in := m.in
+	rec := &in.Steps[idx]
+	rec.LastError = reason
+	if in.phase() == outbox.SagaPhaseAction {
+		if idx >= m.def.pivotIndex() || in.Attempt-in.Budget < m.def.step(idx).attempts {
+			return m.resendLater(idx, reason)
+		}
+		return m.actionFailed(idx, fmt.Sprintf("%s (after %d attempts)", reason, in.Attempt-in.Budget), rec.Uncertain)
+	}
+	if in.Attempt-in.Budget < m.def.compensationAttempts() {
+		return m.resendLater(idx, reason)
+	}
+	return m.stuck(fmt.Sprintf("step %q: compensation %s (after %d attempts)", rec.Name, reason, in.Attempt-in.Budget))
+}
+
+func (m *machine) resendLater(idx int, reason string) error {
+	in := m.in
+	in.Steps[idx].LastError = reason
+	in.Waiting = waitResend
+	backoff := m.def.step(idx).backoff
+	if in.phase() == outbox.SagaPhaseCompensation {
+		backoff = m.def.compensationBackoff()
+	}
+	m.fx.setStep = &timer{Kind: timerStep, Step: idx, Phase: in.phase(), Attempt: in.Attempt, Action: actResend,
+		Due: m.now.Add(backoffFor(backoff, in.Attempt-in.Budget))}
+	return nil
+}
+
+func (m *machine) resendNow(idx int) error {
+	m.in.Attempt++
+	m.in.Waiting = waitReply
+	return m.send(idx, m.in.phase(), m.in.Attempt)
+}
+
+func (m *machine) stuck(reason string) error {
+	m.in.State = StateStuck
+	m.in.Error = reason
+	m.fx.cancelStep = true
+	m.fx.becameStuck = true
+	return nil
+}
+
+func (m *machine) finish(s State) error {
+	m.in.State = s
+	m.in.Waiting = ""
+	m.fx.cancelAll = true
+	m.fx.finished = s
+	return nil
+}
+
+// send writes the command of step idx for phase and attempt, and sets (or clears) the step's
+// reply timeout. A build function that fails cannot send: an action then fails the step, a
+// compensation makes the saga stuck.
+func (m *machine) send(idx int, phase outbox.SagaPhase, attempt int) error {
+	in := m.in
+	st := m.def.step(idx)
+	rec := &in.Steps[idx]
+	topic, payload, err := m.def.command(idx, phase, in.Data)
+	if err != nil {
+		reason := fmt.Sprintf("build the %s command: %v", phase, err)
+		if phase == outbox.SagaPhaseAction {
+			return m.actionFailed(idx, reason, false)
+		}
+		return m.stuck(fmt.Sprintf("step %q: %s", rec.Name, reason))
+	}
+	msg := outbox.SetPartitionKey(outbox.NewMessage(payload), in.ID)
+	outbox.SetSaga(msg, outbox.SagaRef{ID: in.ID, Step: st.name, Phase: phase, Attempt: attempt})
+	msg.Metadata.Set(outbox.MetadataSagaName, in.Name)
+	msg.Metadata.Set(outbox.MetadataSagaReplyTo, m.def.replyTopic())
+	outbox.ToTopic(msg, topic)
+	m.fx.commands = append(m.fx.commands, msg)
+	if phase == outbox.SagaPhaseAction {
+		rec.Status = stepRunning
+		rec.Attempts++
+	} else {
+		rec.Status = stepCompensating
+		rec.CompAttempts++
+	}
+	if rec.StartedAt == nil {
+		rec.StartedAt = m.stamp()
+	}
+	rec.Sent = append(rec.Sent, SentCommand{Phase: phase, Attempt: attempt, Topic: topic, EventID: msg.UUID, At: m.now})
+	if st.timeout > 0 {
+		m.fx.setStep = &timer{Kind: timerStep, Step: idx, Phase: phase, Attempt: attempt, Action: actTimeout, Due: m.now.Add(st.timeout)}
+	} else {
+		m.fx.setStep, m.fx.cancelStep = nil, true
+	}
+	return nil
+}
+
+func (m *machine) stamp() *time.Time {
+	t := m.now
+	return &t
+}
+
+// backoffFor is the wait before re-send number n (n >= 1): base, 2×base, 4×base, ... capped.
+func backoffFor(base time.Duration, n int) time.Duration {
+	d := base
+	for i := 1; i < n && d < MaxBackoff; i++ {
+		d *= 2
+	}
+	return min(d, MaxBackoff)
+}

@@ -1,0 +1,96 @@
+package saga
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/onceflow/onceflow/outbox"
+)
+
+type noData struct{}
+
+func testDef(t *testing.T) *Definition[noData] {
+	t.Helper()
+	cmd := func(noData) (any, error) { return struct{}{}, nil }
+	d, err := Define("t", 1, []*StepDef[noData]{
+		Step[noData]("a").Send("a", cmd).Compensate("ua", cmd).Attempts(2, time.Second).Timeout(time.Minute),
+		Step[noData]("b").Send("b", cmd).Compensate("ub", cmd),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// running returns a saga waiting for the reply to attempt of step a.
+func running(attempt int) *instance {
+	return &instance{ID: "s", Name: "t", Version: 1, State: StateRunning, Attempt: attempt, Waiting: waitReply,
+		Data: []byte(`{}`), Steps: []StepHistory{{Name: "a", Status: stepRunning, Attempts: attempt}, {Name: "b", Status: stepPending}}}
+}
+
+// Events that must change nothing, each with the reason logged.
+func TestMachineIgnores(t *testing.T) {
+	t.Parallel()
+	def := testDef(t)
+	reply := func(step string, phase outbox.SagaPhase, attempt int, outcome string) event {
+		return event{reply: &replyEvent{Step: step, Phase: phase, Attempt: attempt, Outcome: outcome}}
+	}
+	cases := []struct {
+		name string
+		in   *instance
+		ev   event
+		why  string
+	}{
+		{"unknown step", running(1), reply("zz", outbox.SagaPhaseAction, 1, outbox.SagaOutcomeDone), "unknown step"},
+		{"other step", running(1), reply("b", outbox.SagaPhaseAction, 1, outbox.SagaOutcomeDone), "while the saga is at step"},
+		{"compensation while running", running(1), reply("a", outbox.SagaPhaseCompensation, 1, outbox.SagaOutcomeDone), "compensation reply"},
+		{"attempt not sent", running(1), reply("a", outbox.SagaPhaseAction, 2, outbox.SagaOutcomeDone), "only 1 were sent"},
+		{"late failure", running(2), reply("a", outbox.SagaPhaseAction, 1, outbox.SagaOutcomeFailed), "late failed reply"},
+		{"unknown outcome", running(1), reply("a", outbox.SagaPhaseAction, 1, "maybe"), "unknown outcome"},
+		{"old timer", running(2), event{timer: &timer{Kind: timerStep, Step: 0, Phase: outbox.SagaPhaseAction, Attempt: 1, Action: actTimeout}}, "is over"},
+		{"finished", &instance{ID: "s", State: StateCompleted, Steps: []StepHistory{{Name: "a"}, {Name: "b"}}}, reply("a", outbox.SagaPhaseAction, 1, outbox.SagaOutcomeDone), "after the saga completed"},
+		{"retry of a running saga", running(1), event{timer: &timer{Kind: timerOperator, Action: actRetry}}, "not stuck"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := &machine{def: def, now: time.Now(), in: c.in}
+			before := *c.in
+			if err := m.apply(c.ev); err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(m.fx.stale, c.why) || len(m.fx.commands) != 0 || c.in.State != before.State || c.in.Attempt != before.Attempt {
+				t.Fatalf("stale %q (want %q), %d commands, state %s attempt %d", m.fx.stale, c.why, len(m.fx.commands), c.in.State, c.in.Attempt)
+			}
+		})
+	}
+}
+
+// A late success of an earlier attempt counts: the effect happened.
+func TestMachineLateSuccessOfEarlierAttempt(t *testing.T) {
+	t.Parallel()
+	in := running(2)
+	m := &machine{def: testDef(t), now: time.Now(), in: in}
+	if err := m.apply(event{reply: &replyEvent{Step: "a", Phase: outbox.SagaPhaseAction, Attempt: 1, Outcome: outbox.SagaOutcomeDone, Payload: []byte(`{}`)}}); err != nil {
+		t.Fatal(err)
+	}
+	if in.Step != 1 || in.Steps[0].Status != stepDone || len(m.fx.commands) != 1 || outbox.TopicOf(m.fx.commands[0], "") != "b" {
+		t.Fatalf("step %d, a %s, %d commands", in.Step, in.Steps[0].Status, len(m.fx.commands))
+	}
+}
+
+func TestBackoff(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		base time.Duration
+		n    int
+		want time.Duration
+	}{
+		{time.Second, 1, time.Second}, {time.Second, 2, 2 * time.Second}, {time.Second, 4, 8 * time.Second},
+		{time.Minute, 10, MaxBackoff}, {0, 3, 0},
+	} {
+		if got := backoffFor(c.base, c.n); got != c.want {
+			t.Errorf("backoffFor(%s, %d) = %s, want %s", c.base, c.n, got, c.want)
+		}
+	}
+}
