@@ -32,7 +32,7 @@ func testLogger(t testing.TB) *slog.Logger {
 	if !testing.Verbose() {
 		return slog.New(slog.DiscardHandler)
 	}
-	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: testLogLevel()}))
 }
 
 type tWriter struct{ t testing.TB }
@@ -361,4 +361,11 @@ func eventually(t testing.TB, timeout time.Duration, what string, cond func() bo
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+func testLogLevel() slog.Level {
+	if os.Getenv("RELAY_TEST_DEBUG") != "" {
+		return slog.LevelDebug
+	}
+	return slog.LevelInfo
 }

@@ -226,7 +226,11 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 	if len(res.ackedIDs) == 0 && len(res.parkedIDs) == 0 && res.transient > 0 {
 		return stepOutcome{next: backOff, wait: r.globalBackoff(), rows: len(c.msgs)}
 	}
-	r.idleFails = 0
+	if len(res.ackedIDs) > 0 || len(res.parkedIDs) > 0 {
+		// Only progress ends a run of global failures: an empty claim between two failed
+		// retries (every failing chain still waiting) must not reset the backoff.
+		r.idleFails = 0
+	}
 	if kind == claimRetry || !c.exhausted() {
 		out.next = claimAgain
 	}
