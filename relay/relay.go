@@ -5,11 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/migrations"
@@ -91,17 +94,22 @@ var ErrNotMigrated = migrations.ErrNotMigrated
 
 // Run publishes until ctx is cancelled, then lets the batch in flight finish (up to
 // Config.ShutdownTimeout), releases its leases so other relays take over at once, and returns
-// nil. It returns an error only when it cannot start (schema not migrated, shard count
-// mismatch, already running) or when the lease table was resharded under it
-// (ErrShardCountMismatch, after stopping as on cancellation). Database and broker failures
+// nil. When PostgreSQL cannot be reached at start it waits for it, with backoff, logging what
+// it waits for. It returns an error only when it cannot start for a reason waiting does not
+// fix (schema not migrated, shard count mismatch, refused credentials, already running) or
+// when the lease table was resharded under it (ErrShardCountMismatch, after stopping as on
+// cancellation). Database and broker failures
 // while running are logged, counted and retried, never returned.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return errors.New("relay: Run called while already running")
 	}
 	defer r.running.Store(false)
-	if err := r.prepare(ctx); err != nil {
+	if err := r.prepareWaiting(ctx); err != nil {
 		return err
+	}
+	if ctx.Err() != nil {
+		return nil // stopped while waiting for the database
 	}
 	bg, stopBg := context.WithCancel(context.WithoutCancel(ctx))
 	// The lease goroutine stops the loop when the lease table no longer has our shard count.
@@ -149,6 +157,49 @@ func (r *Relay) Health() error {
 		return errors.New("relay: not running")
 	}
 	return r.leases.healthy()
+}
+
+// prepareWaiting runs prepare until it succeeds, fails for a reason waiting cannot fix, or ctx
+// ends. A relay started while PostgreSQL is down or restarting (a rolling restart, a database
+// that comes up after the relay) waits for it, with backoff, instead of exiting into a
+// supervisor's crash loop; /healthz (Health) reports it unhealthy meanwhile.
+func (r *Relay) prepareWaiting(ctx context.Context) error {
+	for attempt := 1; ; attempt++ {
+		err := r.prepare(ctx)
+		if err == nil || ctx.Err() != nil {
+			return nil
+		}
+		if !waitable(err) {
+			return err
+		}
+		d := backoffDelay(r.cfg.RetryBackoff, r.cfg.MaxRetryBackoff, attempt, rand.Float64())
+		r.log.Warn("relay waiting for PostgreSQL before starting", "attempt", attempt, "retry_in", d.Round(time.Millisecond), "err", err)
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// waitable reports whether a start-up failure may go away by itself: the server is
+// unreachable, restarting, shutting down or out of connections. A schema that is not migrated,
+// a shard-count mismatch, a refused password, a missing database or privilege is reported at
+// once: it needs a person.
+func waitable(err error) bool {
+	if errors.Is(err, migrations.ErrNotMigrated) || errors.Is(err, ErrShardCountMismatch) {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return strings.HasPrefix(pgErr.Code, "08") || // connection exception
+			strings.HasPrefix(pgErr.Code, "57P") || // admin shutdown, crash shutdown, cannot connect now
+			pgErr.Code == "53300" || // too many connections
+			pgErr.Code == "40001" || pgErr.Code == "40P01" // serialization failure, deadlock
+	}
+	return true // no answer from a server: refused, reset, timed out, name not resolved
 }
 
 func (r *Relay) prepare(ctx context.Context) error {

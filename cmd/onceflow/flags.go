@@ -152,6 +152,20 @@ func (d *dbFlags) validate() error {
 // (unless the URL sets one) so pg_stat_activity shows which onceflow command holds them.
 // Its errors never show the password, whatever pgx or the server put in them.
 func (d *dbFlags) connect(ctx context.Context, applicationName string) (*pgxpool.Pool, error) {
+	pool, err := d.open(ctx, applicationName)
+	if err != nil {
+		return nil, err
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, pgsql.RedactError(fmt.Errorf("connect to database: %w", err), d.url)
+	}
+	return pool, nil
+}
+
+// open is connect without the ping: the pool connects on first use. The relay uses it, so a
+// relay started while PostgreSQL is down waits for it (relay.Run) instead of exiting.
+func (d *dbFlags) open(ctx context.Context, applicationName string) (*pgxpool.Pool, error) {
 	if err := d.validate(); err != nil {
 		return nil, err
 	}
@@ -164,10 +178,6 @@ func (d *dbFlags) connect(ctx context.Context, applicationName string) (*pgxpool
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, pgsql.RedactError(fmt.Errorf("connect to database: %w", err), d.url)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
 		return nil, pgsql.RedactError(fmt.Errorf("connect to database: %w", err), d.url)
 	}
 	return pool, nil

@@ -83,7 +83,9 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	var (
 		brokers         = fs.String("kafka-brokers", c.getenv("KAFKA_BROKERS"), "comma-separated Kafka brokers, host:port [KAFKA_BROKERS]")
 		batchSize       = fs.Int("batch-size", env.int("ONCEFLOW_RELAY_BATCH_SIZE", relay.DefaultBatchSize), "most rows claimed and sent to Kafka per round trip [ONCEFLOW_RELAY_BATCH_SIZE]")
-		pollInterval    = fs.Duration("poll-interval", env.duration("ONCEFLOW_RELAY_POLL_INTERVAL", relay.DefaultPollInterval), "how often an idle relay looks for rows when no NOTIFY arrived [ONCEFLOW_RELAY_POLL_INTERVAL]")
+		maxBatchBytes   = fs.Int64("max-batch-bytes", int64(env.int("ONCEFLOW_RELAY_MAX_BATCH_BYTES", relay.DefaultMaxBatchBytes)), "most payload, key and metadata bytes claimed in one batch; bounds the relay's memory (about twice this plus ~50 MiB) [ONCEFLOW_RELAY_MAX_BATCH_BYTES]")
+		pollInterval    = fs.Duration("poll-interval", env.duration("ONCEFLOW_RELAY_POLL_INTERVAL", relay.DefaultPollInterval), "longest an idle (sleeping) relay waits before looking for rows when no NOTIFY arrived [ONCEFLOW_RELAY_POLL_INTERVAL]")
+		busyPoll        = fs.Duration("busy-poll-interval", env.duration("ONCEFLOW_RELAY_BUSY_POLL_INTERVAL", relay.DefaultBusyPoll), "how often a relay claims while rows keep arriving (bounds their wait without NOTIFY; lets batches grow under load) [ONCEFLOW_RELAY_BUSY_POLL_INTERVAL]")
 		shards          = fs.Int("shards", env.int("ONCEFLOW_RELAY_SHARDS", relay.DefaultShards), "virtual shards (must be the same for every relay of the schema; see --reshard) [ONCEFLOW_RELAY_SHARDS]")
 		leaseDuration   = fs.Duration("lease-duration", env.duration("ONCEFLOW_RELAY_LEASE_DURATION", relay.DefaultLeaseDuration), "shard lease length; a dead relay's shards move within 1.25× this [ONCEFLOW_RELAY_LEASE_DURATION]")
 		maxAttempts     = fs.Int("max-attempts", env.int("ONCEFLOW_RELAY_MAX_ATTEMPTS", relay.DefaultMaxAttempts), "refusals the broker repeats every time (e.g. message too large) before a row is parked; transient errors never count [ONCEFLOW_RELAY_MAX_ATTEMPTS]")
@@ -137,15 +139,17 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		metrics = m
 	}
 	cfg := relay.Config{
-		Schema:          db.schema,
-		BatchSize:       *batchSize,
-		PollInterval:    *pollInterval,
-		Shards:          *shards,
-		LeaseDuration:   *leaseDuration,
-		MaxAttempts:     *maxAttempts,
-		ShutdownTimeout: *shutdownTimeout,
-		InstanceID:      *instanceID,
-		Logger:          logger,
+		Schema:           db.schema,
+		BatchSize:        *batchSize,
+		PollInterval:     *pollInterval,
+		MaxBatchBytes:    *maxBatchBytes,
+		BusyPollInterval: *busyPoll,
+		Shards:           *shards,
+		LeaseDuration:    *leaseDuration,
+		MaxAttempts:      *maxAttempts,
+		ShutdownTimeout:  *shutdownTimeout,
+		InstanceID:       *instanceID,
+		Logger:           logger,
 	}
 	if metrics != nil {
 		cfg.Metrics = metrics
@@ -163,7 +167,8 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	}
 	defer func() { _ = sink.Close() }()
 
-	pool, err := db.connect(ctx, "onceflow-relay")
+	// No ping: Run waits for the database (with /healthz unhealthy) when it is not up yet.
+	pool, err := db.open(ctx, "onceflow-relay")
 	if err != nil {
 		return err
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"io"
+	"net"
 	"net/http"
 	"regexp"
 	"strings"
@@ -179,5 +180,53 @@ func TestOutboxCommands(t *testing.T) {
 	r = runCmd(ctx, nil, "outbox", "sideways").expect(t, "unknown action", 2)
 	if !strings.Contains(r.stderr, `unknown action "sideways"`) {
 		t.Errorf("unknown action:\n%s", r.stderr)
+	}
+}
+
+// TestRelayWaitsForDatabase: `onceflow relay` started while PostgreSQL is unreachable does not
+// exit (under a supervisor that is a crash loop): it logs what it waits for, serves an
+// unhealthy /healthz, and stops cleanly on SIGTERM (context cancellation here). Before, the
+// start-up ping failed and it exited 1.
+func TestRelayWaitsForDatabase(t *testing.T) {
+	t.Parallel()
+	brokers := kafkatest.Brokers(t, 1)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metricsAddr := ln.Addr().String()
+	_ = ln.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	inv := start(ctx, nil, "relay", "--database-url", "postgres://onceflow@127.0.0.1:1/shop?sslmode=disable",
+		"--kafka-brokers", strings.Join(brokers, ","), "--metrics-addr", metricsAddr)
+	var status int
+	deadline := time.Now().Add(20 * time.Second)
+	for time.Now().Before(deadline) {
+		resp, err := http.Get("http://" + metricsAddr + "/healthz")
+		if err == nil {
+			status = resp.StatusCode
+			_ = resp.Body.Close()
+			break
+		}
+		select {
+		case code := <-inv.done:
+			t.Fatalf("relay exited %d while the database was unreachable:\n%s", code, inv.stderr.String())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	if status != http.StatusServiceUnavailable {
+		t.Fatalf("/healthz = %d while waiting for the database, want 503", status)
+	}
+	for !strings.Contains(inv.stderr.String(), "waiting for PostgreSQL") {
+		select {
+		case code := <-inv.done:
+			t.Fatalf("relay exited %d:\n%s", code, inv.stderr.String())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	cancel()
+	if code := <-inv.done; code != 0 {
+		t.Fatalf("relay exited %d after cancellation, want 0:\n%s", code, inv.stderr.String())
 	}
 }
