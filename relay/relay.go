@@ -98,8 +98,8 @@ var ErrNotMigrated = migrations.ErrNotMigrated
 // it waits for. It returns an error only when it cannot start for a reason waiting does not
 // fix (schema not migrated, shard count mismatch, refused credentials, already running) or
 // when the lease table was resharded under it (ErrShardCountMismatch, after stopping as on
-// cancellation). Database and broker failures
-// while running are logged, counted and retried, never returned.
+// cancellation). Database and broker failures while running are logged, counted and retried,
+// never returned.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return errors.New("relay: Run called while already running")
