@@ -11,15 +11,21 @@
 //
 // # Wake-up
 //
-// The outbox writer sends a NOTIFY on commit; the relay LISTENs on a dedicated connection and
-// claims at once. A poll every Config.PollInterval (default 1s) covers lost notifications. A
-// full batch is followed immediately by the next claim.
+// While rows keep arriving the relay claims every Config.BusyPollInterval (1ms), and a full
+// batch is followed at once by the next claim. After 25ms without rows it marks itself asleep
+// in relay_member; outbox writers then send a NOTIFY on commit, which wakes it through a LISTEN
+// on a dedicated connection, and its polls back off to Config.PollInterval (1s). Writers do not
+// notify while relays are awake: NOTIFY takes a cluster-wide lock at commit, and sending one in
+// every business transaction would serialise them (docs/relay.md, "Wake-up and cost").
 //
-// # No foreign stall
+// # Claims
 //
-// A claim is a plain SELECT of committed rows: an unrelated open transaction never delays it,
-// and a row committed late with a smaller id is simply picked up by a later claim. There is no
-// offset to skip past it: deleting acknowledged rows is how the relay advances.
+// A claim is a plain SELECT of committed rows, from a per-relay cursor, so its cost does not
+// grow with the backlog, the rows deleted before it, or other relays' rows; a row whose
+// transaction commits after later ids were claimed is found through the writing transaction's
+// id (outbox.tx) and the previous claim's snapshot, and claimed next. An unrelated open
+// transaction never delays a claim. Config.MaxBatchBytes bounds a batch's bytes, and so the
+// relay's memory.
 //
 // # Per-key order and several relays
 //
