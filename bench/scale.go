@@ -100,19 +100,49 @@ type timedClaim struct {
 
 type claimStart struct{}
 
+// isClaim recognises the relay's cursor claim (relay/claim.go, nextSQL).
+func isClaim(sql string) bool { return strings.HasPrefix(strings.TrimSpace(sql), "WITH late AS") }
+
+// The relay pipelines a claim with its BEGIN READ ONLY, planner settings and COMMIT in one
+// batch: a claim's duration is its batch's, one round trip, as the relay waits for it.
+type batchMark struct {
+	t0    time.Time
+	claim bool
+}
+
+func (c *claimTracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return context.WithValue(ctx, claimStart{}, &batchMark{t0: time.Now()})
+}
+
+func (c *claimTracer) TraceBatchQuery(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	if m, ok := ctx.Value(claimStart{}).(*batchMark); ok && isClaim(d.SQL) {
+		m.claim = true
+	}
+}
+
+func (c *claimTracer) TraceBatchEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchEndData) {
+	if m, ok := ctx.Value(claimStart{}).(*batchMark); ok && m.claim {
+		c.record(m.t0)
+	}
+}
+
 func (c *claimTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	if strings.HasPrefix(d.SQL, "WITH ref AS") {
-		return context.WithValue(ctx, claimStart{}, time.Now())
+	if isClaim(d.SQL) {
+		return context.WithValue(ctx, claimStart{}, &batchMark{t0: time.Now(), claim: true})
 	}
 	return ctx
 }
 
 func (c *claimTracer) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
-	if t0, ok := ctx.Value(claimStart{}).(time.Time); ok {
-		c.mu.Lock()
-		c.claims = append(c.claims, timedClaim{t0, time.Since(t0)})
-		c.mu.Unlock()
+	if m, ok := ctx.Value(claimStart{}).(*batchMark); ok && m.claim {
+		c.record(m.t0)
 	}
+}
+
+func (c *claimTracer) record(t0 time.Time) {
+	c.mu.Lock()
+	c.claims = append(c.claims, timedClaim{t0, time.Since(t0)})
+	c.mu.Unlock()
 }
 
 // between returns the durations of claims started in [from, to).
