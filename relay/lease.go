@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -37,6 +38,8 @@ type leases struct {
 	m    Metrics
 	host string
 	pid  int
+	// token identifies this process in its relay_member row (see join).
+	token string
 
 	mu         sync.Mutex
 	owned      map[int]int64 // shard → epoch
@@ -56,7 +59,7 @@ type leases struct {
 func newLeases(cfg Config, pool *pgxpool.Pool, q *queries, m Metrics) *leases {
 	host, _ := os.Hostname()
 	return &leases{
-		cfg: cfg, pool: pool, q: q, log: cfg.Logger, m: m, host: host, pid: os.Getpid(),
+		cfg: cfg, pool: pool, q: q, log: cfg.Logger, m: m, host: host, pid: os.Getpid(), token: rand.Text(),
 		owned: map[int]int64{}, release: map[int]bool{},
 		changed: make(chan struct{}, 1),
 	}
@@ -154,7 +157,7 @@ func (l *leases) run(ctx context.Context, stop func(error)) {
 		tctx, cancel := context.WithTimeout(ctx, l.cfg.LeaseDuration)
 		err := l.tick(tctx)
 		cancel()
-		if errors.Is(err, ErrShardCountMismatch) {
+		if errors.Is(err, ErrShardCountMismatch) || errors.Is(err, ErrInstanceIDInUse) {
 			stop(err)
 			return
 		}
@@ -189,7 +192,7 @@ func (l *leases) tick(ctx context.Context) error {
 	secs := l.cfg.LeaseDuration.Seconds()
 	sent := time.Now()
 	b := &pgx.Batch{}
-	b.Queue(l.q.heartbeat, l.cfg.InstanceID, l.host, l.pid, secs)
+	b.Queue(l.q.heartbeat, l.cfg.InstanceID, l.host, l.pid, secs, l.token)
 	b.Queue(l.q.renew, l.cfg.InstanceID, secs, shards, epochs)
 	b.Queue(l.q.members)
 	b.Queue(l.q.shardCount)
@@ -202,8 +205,12 @@ func (l *leases) tick(ctx context.Context) error {
 	err := func() error {
 		br := l.pool.SendBatch(ctx, b)
 		defer func() { _ = br.Close() }() // closed explicitly below on success
-		if _, err := br.Exec(); err != nil {
+		tag, err := br.Exec()
+		if err != nil {
 			return fmt.Errorf("heartbeat: %w", err)
+		}
+		if tag.RowsAffected() == 0 {
+			return l.idInUse(ctx, "another process took over")
 		}
 		rows, err := br.Query()
 		if err != nil {
@@ -380,10 +387,76 @@ func (l *leases) releaseAll(ctx context.Context) error {
 }
 
 func (l *leases) leave(ctx context.Context) error {
-	if _, err := l.pool.Exec(ctx, l.q.leave, l.cfg.InstanceID); err != nil {
+	if _, err := l.pool.Exec(ctx, l.q.leave, l.cfg.InstanceID, l.token); err != nil {
 		return fmt.Errorf("remove relay member row: %w", err)
 	}
 	return nil
+}
+
+// ErrInstanceIDInUse is returned by Run when another live relay process uses the same
+// Config.InstanceID (ONCEFLOW_RELAY_ID, --id): two processes sharing an id would take each
+// other's shards at every renewal and publish duplicates. Leave the id unset (the default,
+// "<hostname>-<pid>", is unique) or give every replica its own.
+var ErrInstanceIDInUse = errors.New("relay: instance id in use by another live relay")
+
+// join makes this process the holder of its instance id in relay_member before the relay
+// starts. A row of another process whose heartbeat is current is waited on for one and a half
+// renewal intervals: if its heartbeat moved meanwhile, that relay is alive and this one refuses
+// to start (ErrInstanceIDInUse); if not, it stopped without leaving (crash, SIGKILL), and this
+// process takes the id over with its leases, as a restart with the same id should.
+func (l *leases) join(ctx context.Context) error {
+	secs := l.cfg.LeaseDuration.Seconds()
+	take := func(seen *time.Time) (bool, error) {
+		tag, err := l.pool.Exec(ctx, l.q.join, l.cfg.InstanceID, l.host, l.pid, secs, l.token, seen)
+		if err != nil {
+			return false, fmt.Errorf("relay: register as member %q: %w", l.cfg.InstanceID, err)
+		}
+		return tag.RowsAffected() == 1, nil
+	}
+	if ok, err := take(nil); ok || err != nil {
+		return err
+	}
+	var host string
+	var pid int
+	var beat time.Time
+	var age time.Duration
+	if err := l.pool.QueryRow(ctx, l.q.holder, l.cfg.InstanceID).Scan(&host, &pid, &beat, &age); err != nil {
+		if errors.Is(err, pgx.ErrNoRows) {
+			return l.join(ctx) // it just left
+		}
+		return fmt.Errorf("relay: read member %q: %w", l.cfg.InstanceID, err)
+	}
+	wait := l.cfg.renewInterval() * 3 / 2
+	l.log.Info("relay id is registered by another process; waiting to see whether it is alive",
+		"id", l.cfg.InstanceID, "host", host, "pid", pid, "last_heartbeat", age.Round(time.Millisecond), "wait", wait)
+	t := time.NewTimer(wait)
+	select {
+	case <-ctx.Done():
+		t.Stop()
+		return ctx.Err()
+	case <-t.C:
+	}
+	if ok, err := take(&beat); ok || err != nil {
+		if ok {
+			l.log.Info("relay took over its id from a process that stopped heartbeating", "id", l.cfg.InstanceID, "host", host, "pid", pid)
+		}
+		return err
+	}
+	return l.idInUse(ctx, "refusing to start")
+}
+
+// idInUse builds ErrInstanceIDInUse's error, naming the process holding the id.
+func (l *leases) idInUse(ctx context.Context, what string) error {
+	var host string
+	var pid int
+	var beat time.Time
+	var age time.Duration
+	holder := "another process"
+	if err := l.pool.QueryRow(ctx, l.q.holder, l.cfg.InstanceID).Scan(&host, &pid, &beat, &age); err == nil {
+		holder = fmt.Sprintf("the relay on host %q, pid %d (heartbeat %s ago)", host, pid, age.Round(time.Millisecond))
+	}
+	return fmt.Errorf("%w: %s: id %q is held by %s. Give every relay process its own id: leave --id / ONCEFLOW_RELAY_ID unset (the default <hostname>-<pid> is unique) or set a different one per replica",
+		ErrInstanceIDInUse, what, l.cfg.InstanceID, holder)
 }
 
 func (l *leases) healthy() error {

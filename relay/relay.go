@@ -96,9 +96,10 @@ var ErrNotMigrated = migrations.ErrNotMigrated
 // Config.ShutdownTimeout), releases its leases so other relays take over at once, and returns
 // nil. When PostgreSQL cannot be reached at start it waits for it, with backoff, logging what
 // it waits for. It returns an error only when it cannot start for a reason waiting does not
-// fix (schema not migrated, shard count mismatch, refused credentials, already running) or
-// when the lease table was resharded under it (ErrShardCountMismatch, after stopping as on
-// cancellation). Database and broker failures while running are logged, counted and retried,
+// fix (schema not migrated, shard count mismatch, refused credentials, another live relay with
+// the same id: ErrInstanceIDInUse, already running) or when the lease table was resharded
+// under it or another process took its id over (ErrShardCountMismatch, ErrInstanceIDInUse,
+// after stopping as on cancellation). Database and broker failures while running are logged, counted and retried,
 // never returned.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
@@ -142,8 +143,12 @@ func (r *Relay) Run(ctx context.Context) error {
 	if err := r.leases.releaseAll(rctx); err != nil {
 		r.log.Warn("relay could not release its leases; other relays take over when they expire", "err", err, "within", r.cfg.FailoverBound())
 	}
-	if err := context.Cause(lctx); errors.Is(err, ErrShardCountMismatch) {
+	switch err := context.Cause(lctx); {
+	case errors.Is(err, ErrShardCountMismatch):
 		r.log.Error("relay stopped: the lease table was resharded while it ran", "err", err)
+		return err
+	case errors.Is(err, ErrInstanceIDInUse):
+		r.log.Error("relay stopped: another process took over its id", "err", err)
 		return err
 	}
 	r.log.Info("relay stopped")
@@ -189,7 +194,7 @@ func (r *Relay) prepareWaiting(ctx context.Context) error {
 // a shard-count mismatch, a refused password, a missing database or privilege is reported at
 // once: it needs a person.
 func waitable(err error) bool {
-	if errors.Is(err, migrations.ErrNotMigrated) || errors.Is(err, ErrShardCountMismatch) {
+	if errors.Is(err, migrations.ErrNotMigrated) || errors.Is(err, ErrShardCountMismatch) || errors.Is(err, ErrInstanceIDInUse) {
 		return false
 	}
 	var pgErr *pgconn.PgError
@@ -209,7 +214,7 @@ func (r *Relay) prepare(ctx context.Context) error {
 		return fmt.Errorf("relay: %w", err)
 	}
 	r.findSequence(ctx)
-	return pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, r.pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtext('onceflow.relay'), hashtext($1))`, r.cfg.Schema); err != nil {
 			return fmt.Errorf("relay: lock lease table: %w", err)
 		}
@@ -229,6 +234,10 @@ func (r *Relay) prepare(ctx context.Context) error {
 		}
 		return nil
 	})
+	if err != nil {
+		return err
+	}
+	return r.leases.join(ctx)
 }
 
 // findSequence lets claims read the outbox id sequence, so an exhausted claim can move the

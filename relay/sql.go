@@ -9,6 +9,7 @@ type queries struct {
 	outbox, lease, member, parked string
 
 	heartbeat, renew, members, forgetMembers, acquire, release, leave string
+	join, holder                                                      string
 	shardCount                                                        string
 	deleteAcked, countFailure, park                                   string
 	stats                                                             string
@@ -28,10 +29,24 @@ func newQueries(schema string) *queries {
 	// A sleeping relay's asleep_until follows its heartbeat, so writers stop notifying a relay
 	// that died asleep once its membership expires; the heartbeat never sets or clears it (the
 	// publishing loop does, and a heartbeat sent just before that must not undo it).
-	q.heartbeat = `INSERT INTO ` + q.member + ` AS m (id, host, pid, expires_at)
-		VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8))
+	//
+	// The row is this process's only while it carries its token ($5): a heartbeat that updates
+	// nothing means another process took the id over (see joinSQL).
+	q.heartbeat = `INSERT INTO ` + q.member + ` AS m (id, host, pid, expires_at, token)
+		VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8), $5)
 		ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), expires_at = EXCLUDED.expires_at, host = EXCLUDED.host, pid = EXCLUDED.pid,
-			asleep_until = CASE WHEN m.asleep_until > now() THEN EXCLUDED.expires_at ELSE m.asleep_until END`
+			asleep_until = CASE WHEN m.asleep_until > now() THEN EXCLUDED.expires_at ELSE m.asleep_until END
+		WHERE m.token = EXCLUDED.token
+		RETURNING 1`
+	// join takes the id at start: when free, already this process's, expired, or held by a
+	// process whose heartbeat has not moved since $6 (it stopped: crashed, or killed).
+	q.join = `INSERT INTO ` + q.member + ` AS m (id, host, pid, expires_at, token)
+		VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8), $5)
+		ON CONFLICT (id) DO UPDATE SET heartbeat_at = now(), started_at = now(), expires_at = EXCLUDED.expires_at,
+			host = EXCLUDED.host, pid = EXCLUDED.pid, token = EXCLUDED.token, asleep_until = 'epoch'
+		WHERE m.token = EXCLUDED.token OR m.expires_at < now() OR m.heartbeat_at = $6::timestamptz
+		RETURNING 1`
+	q.holder = `SELECT host, pid, heartbeat_at, now() - heartbeat_at FROM ` + q.member + ` WHERE id = $1`
 	q.sleep = `UPDATE ` + q.member + ` SET asleep_until = now() + make_interval(secs => $2::float8) WHERE id = $1`
 	q.wake = `UPDATE ` + q.member + ` SET asleep_until = 'epoch' WHERE id = $1 AND asleep_until <> 'epoch'`
 	q.seqLast = `NULL::bigint`
@@ -61,7 +76,7 @@ func newQueries(schema string) *queries {
 	q.release = `UPDATE ` + q.lease + ` AS l SET owner = '', expires_at = 'epoch'
 		FROM unnest($2::int[], $3::bigint[]) AS o(shard, epoch)
 		WHERE l.shard = o.shard AND l.epoch = o.epoch AND l.owner = $1`
-	q.leave = `DELETE FROM ` + q.member + ` WHERE id = $1`
+	q.leave = `DELETE FROM ` + q.member + ` WHERE id = $1 AND token = $2`
 
 	// Acknowledged rows go unconditionally: the broker has them, so deleting them even after
 	// the lease was lost can only prevent a duplicate, never lose or reorder anything.
