@@ -25,8 +25,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/tracing"
 )
 
 // DefaultMaxPayloadBytes is the default payload limit: 1 MiB, Kafka's default message size.
@@ -65,6 +68,12 @@ type Config struct {
 	// notification on NotifyChannel(Schema), delivered by PostgreSQL only when the
 	// transaction commits, so relays wake at once instead of at their next poll.
 	DisableNotify bool
+	// TracerProvider records a `create <topic>` span per message written (see docs/operations.md,
+	// "Tracing"). Default nil: the global provider (otel.GetTracerProvider).
+	TracerProvider trace.TracerProvider
+	// Propagator writes the span context into the message metadata. Default nil: the global
+	// propagator, or W3C trace context (traceparent/tracestate) when none is installed.
+	Propagator propagation.TextMapPropagator
 }
 
 // NotifyChannel is the LISTEN/NOTIFY channel a write call signals on commit: the schema name
@@ -87,6 +96,7 @@ type Writer struct {
 	// insertSQL takes one topic for the whole call ($1 text), insertRoutedSQL one per message
 	// ($1 text[]), for calls whose messages go to several topics (ToTopic).
 	insertSQL, insertRoutedSQL string
+	tracer                     *tracing.Tracer
 }
 
 // NewWriter validates cfg and returns a Writer.
@@ -107,7 +117,8 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if err := config.Check("outbox", problems...); err != nil {
 		return nil, err
 	}
-	return &Writer{cfg: cfg, insertSQL: insertSQL(cfg, "$1"), insertRoutedSQL: insertSQL(cfg, "t")}, nil
+	return &Writer{cfg: cfg, insertSQL: insertSQL(cfg, "$1"), insertRoutedSQL: insertSQL(cfg, "t"),
+		tracer: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
 }
 
 // insertSQL is the write statement. topic is "$1" for a call with one topic, or "t" to take
@@ -186,7 +197,7 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 		if len(problems) > 0 {
 			continue // keep validating to report every problem, but build nothing more
 		}
-		meta, err := json.Marshal(storedMetadata(msg.Metadata))
+		meta, err := json.Marshal(w.traced(ctx, topics[i], msg, storedMetadata(msg.Metadata)))
 		if err != nil {
 			return fmt.Errorf("outbox: encode metadata of message %d: %w", i, err)
 		}

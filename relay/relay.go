@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/migrations"
 )
 
@@ -31,6 +32,7 @@ type Relay struct {
 	// idleFails counts consecutive batches that made no progress because of transient
 	// errors; it drives the global backoff.
 	idleFails int
+	tr        *tracing.Tracer // send spans (trace.go)
 }
 
 // New validates cfg, reporting every problem at once (*ConfigError), and returns a relay
@@ -65,6 +67,7 @@ func New(cfg Config) (*Relay, error) {
 		q:       q,
 		blocked: newBlockList(cfg.RetryBackoff, cfg.MaxRetryBackoff),
 		wake:    make(chan struct{}, 1),
+		tr:      tracing.New(cfg.TracerProvider, cfg.Propagator),
 	}
 	r.cfg.Logger = r.log
 	r.leases = newLeases(r.cfg, pool, q, r.m)
