@@ -90,6 +90,7 @@ var scenarios = []scenario{
 	{"inbox", benchInbox},
 	{"http", benchHTTP},
 	{"saga", benchSaga},
+	{"stats", benchStats},
 }
 
 func main() {
