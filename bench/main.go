@@ -91,6 +91,7 @@ var scenarios = []scenario{
 	{"http", benchHTTP},
 	{"saga", benchSaga},
 	{"stats", benchStats},
+	{"tracing", benchTracing},
 }
 
 func main() {
