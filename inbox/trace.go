@@ -40,6 +40,9 @@ func (ib *Inbox) startProcess(ctx context.Context, msg *message.Message) (contex
 	}
 	topic := message.SubscribeTopicFromCtx(ctx)
 	ctx, span := ib.tr.Start(pctx, tracing.Consumer, "process", topic, opts...)
+	if !span.IsRecording() {
+		return ctx, span
+	}
 	span.SetAttributes(
 		tracing.MessagingSystem.String(tracing.System),
 		tracing.MessagingOperationName.String("process"),

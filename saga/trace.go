@@ -23,6 +23,9 @@ func startMessage(tr *tracing.Tracer, msg *message.Message, ref outbox.SagaRef, 
 	}
 	topic := message.SubscribeTopicFromCtx(ctx)
 	ctx, span := tr.Start(tr.Extract(ctx, msg.Metadata), tracing.Consumer, "process", topic)
+	if !span.IsRecording() {
+		return ctx, span
+	}
 	span.SetAttributes(
 		tracing.MessagingSystem.String(tracing.System),
 		tracing.MessagingOperationName.String("process"),
