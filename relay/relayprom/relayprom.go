@@ -71,7 +71,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}),
 		pending: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "onceflow", Subsystem: "relay", Name: "pending_rows",
-			Help: "Rows waiting in the outbox (all shards), sampled every stats interval.",
+			Help: "Rows waiting in the outbox (all shards), sampled every stats interval: exact up to 10000, above that an estimate (the table's live-tuple statistic, bounded by the id span).",
 		}),
 		oldest: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "onceflow", Subsystem: "relay", Name: "oldest_pending_seconds",
