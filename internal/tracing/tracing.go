@@ -70,7 +70,7 @@ const (
 type Tracer struct {
 	tracer trace.Tracer
 	// global: no provider was given, so the global one is used, and a span is started only
-	// once one is installed (otel.SetTracerProvider) or the context already carries one.
+	// once one is installed (otel.SetTracerProvider).
 	global bool
 	prop   propagation.TextMapPropagator // nil: the global one, or W3C if none is installed
 }
@@ -97,15 +97,21 @@ func (t *Tracer) or() *Tracer {
 	return t
 }
 
-// delegating is the type of OpenTelemetry's default global provider, the one in place until
-// otel.SetTracerProvider is called.
-var delegating = reflect.TypeOf(otel.GetTracerProvider())
+// globalPkg holds OpenTelemetry's default global provider, the delegating one in place until
+// otel.SetTracerProvider is called. It is recognised by its package rather than captured at
+// start-up, so a provider installed before this package's initialisation is not mistaken for
+// it. Should OpenTelemetry move it, Enabled only turns true too often: spans then go to the
+// delegating provider, which records nothing until one is installed.
+const globalPkg = "go.opentelemetry.io/otel/internal/global"
 
 // Enabled reports whether a span started now may record: a provider was given, or one is
 // installed globally. When false, no span is started (see Start).
 func (t *Tracer) Enabled() bool {
-	t = t.or()
-	return !t.global || reflect.TypeOf(otel.GetTracerProvider()) != delegating
+	if t = t.or(); !t.global {
+		return true
+	}
+	typ := reflect.TypeOf(otel.GetTracerProvider())
+	return typ.Kind() != reflect.Pointer || typ.Elem().PkgPath() != globalPkg
 }
 
 // Propagator returns the propagator in use: the one given, else the global one, else (when
