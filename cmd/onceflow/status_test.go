@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -91,6 +92,28 @@ func TestStatusCommand(t *testing.T) {
 	runCmd(ctx, env, "status", "--max-oldest-age", "1h", "--max-parked", "1", "--max-heartbeat-age", "5m",
 		"--max-stuck-sagas", "1").expect(t, "status with loose thresholds", 0)
 	runCmd(ctx, env, "status", "--max-oldest-age", "0s", "--window", "soon").expect(t, "status with bad thresholds", 1)
+
+	// --watch --json: one report per refresh until interrupted (the signal cancels the
+	// context), then exit 0 whatever the last report said.
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	inv := start(wctx, env, "status", "--watch", "--json", "--interval", "20ms")
+	for !strings.Contains(inv.stdout.String(), "}\n{") {
+		select {
+		case code := <-inv.done:
+			t.Fatalf("status --watch exited %d before refreshing:\n%s%s", code, inv.stdout.String(), inv.stderr.String())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	cancel()
+	if code := <-inv.done; code != 0 {
+		t.Fatalf("status --watch exited %d after the interrupt, want 0:\n%s", code, inv.stderr.String())
+	}
+	for _, line := range strings.Split(strings.TrimSpace(inv.stdout.String()), "\n") {
+		if err := json.Unmarshal([]byte(line), &rep); err != nil {
+			t.Fatalf("status --watch --json line %q: %v", line, err)
+		}
+	}
 }
 
 func TestOutboxFindCommand(t *testing.T) {
