@@ -108,6 +108,9 @@ func checkEffects(ctx context.Context, pool *pgxpool.Pool, want int) error {
 // produceInboxBench creates the topic with inboxBenchPartitions partitions and fills it with
 // inboxBenchMessages watermill-encoded messages (UUID header, partition key as Kafka key),
 // as the relay would publish them.
+// inboxBenchMeta is extra metadata produceInboxBench puts on every message.
+var inboxBenchMeta map[string]string
+
 func produceInboxBench(brokers []string, topic string) error {
 	cfg := sarama.NewConfig()
 	cfg.Version = sarama.V2_1_0_0
@@ -132,6 +135,9 @@ func produceInboxBench(brokers []string, topic string) error {
 		batch := make([]*sarama.ProducerMessage, 0, chunk)
 		for i := n; i < n+chunk && i < inboxBenchMessages; i++ {
 			msg := outbox.SetPartitionKey(outbox.NewMessage(benchPayload), keyName(i%200))
+			for k, v := range inboxBenchMeta { // tracing.go
+				msg.Metadata.Set(k, v)
+			}
 			pm, err := kafka.DefaultMarshaler{}.Marshal(topic, msg)
 			if err != nil {
 				return err

@@ -98,6 +98,8 @@ var scenarios = []scenario{
 	{"inbox_cleanup", benchInboxCleanup},
 	{"http", benchHTTP},
 	{"saga", benchSaga},
+	{"stats", benchStats},
+	{"tracing", benchTracing},
 }
 
 func main() {

@@ -26,6 +26,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
@@ -52,6 +53,7 @@ type onceflowSystem struct {
 	pool   *pgxpool.Pool
 	schema string
 	w      *outbox.Writer
+	tp     trace.TracerProvider // the relay's TracerProvider (tracing.go); nil: none
 }
 
 func newOnceflowSystem(ctx context.Context, e *env, name string) (*onceflowSystem, error) {
@@ -79,7 +81,7 @@ func (s *onceflowSystem) start(ctx context.Context) (func(), error) {
 	if err != nil {
 		return nil, err
 	}
-	r, err := relay.New(relay.Config{Pool: s.pool, Sink: sink, Schema: s.schema, Logger: s.e.relayLog()})
+	r, err := relay.New(relay.Config{Pool: s.pool, Sink: sink, Schema: s.schema, Logger: s.e.relayLog(), TracerProvider: s.tp})
 	if err != nil {
 		_ = sink.Close()
 		return nil, err

@@ -42,8 +42,10 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -136,19 +138,19 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		next.ServeHTTP(w, r)
 		return
 	case len(values) == 0:
-		m.observe(OutcomeRejected, start)
+		m.observe(r, OutcomeRejected, start)
 		m.writeProblem(w, http.StatusBadRequest, ProblemKeyMissing, "Idempotency-Key is missing",
 			"This operation requires an Idempotency-Key header: send a unique value, e.g. a random UUID as a quoted string, and reuse it only to retry this same request.", nil)
 		return
 	case len(values) > 1:
-		m.observe(OutcomeRejected, start)
+		m.observe(r, OutcomeRejected, start)
 		m.writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid",
 			fmt.Sprintf("The request has %d Idempotency-Key header lines; send exactly one.", len(values)), nil)
 		return
 	}
 	key, err := ParseKey(values[0])
 	if err != nil {
-		m.observe(OutcomeRejected, start)
+		m.observe(r, OutcomeRejected, start)
 		m.writeProblem(w, http.StatusBadRequest, ProblemKeyInvalid, "Idempotency-Key is invalid",
 			err.Error()+". Send one quoted string of 1 to 255 printable ASCII characters, e.g. a random UUID.", nil)
 		return
@@ -158,7 +160,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		err = fmt.Errorf("%w: Owner returned an empty owner", ErrNoOwner)
 	}
 	if err != nil {
-		m.observe(OutcomeRejected, start)
+		m.observe(r, OutcomeRejected, start)
 		if errors.Is(err, ErrNoOwner) {
 			m.writeProblem(w, http.StatusUnauthorized, ProblemNoOwner, "Request owner unknown",
 				"Idempotency keys are scoped to the authenticated caller; authenticate and retry with the same key.", nil)
@@ -171,13 +173,13 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	body, tooLarge, err := readBody(r, m.cfg.MaxBodyBytes)
 	if tooLarge {
-		m.observe(OutcomeRejected, start)
+		m.observe(r, OutcomeRejected, start)
 		m.writeProblem(w, http.StatusRequestEntityTooLarge, ProblemBodyTooLarge, "Request body too large",
 			fmt.Sprintf("Requests with an Idempotency-Key may carry at most %d bytes of body. Nothing was executed or stored.", m.cfg.MaxBodyBytes), nil)
 		return
 	}
 	if err != nil {
-		m.observe(OutcomeRejected, start)
+		m.observe(r, OutcomeRejected, start)
 		m.writeProblem(w, http.StatusBadRequest, "", "Bad Request", "The request body could not be read: "+err.Error(), nil)
 		return
 	}
@@ -211,7 +213,7 @@ func readBody(r *http.Request, limit int64) (body []byte, tooLarge bool, err err
 func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.Handler, start time.Time, owner, key string, fp []byte) {
 	ctx := r.Context()
 	lock := lockID(m.cfg.Schema, owner, key)
-	pc, tx, rec, ok := m.acquireKey(ctx, w, start, lock, owner, key)
+	pc, tx, rec, ok := m.acquireKey(ctx, w, r, start, lock, owner, key)
 	if !ok {
 		return // answered: 409 in flight, or 503
 	}
@@ -234,7 +236,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	defer rollback()
 	if rec != nil && rec.live {
 		rollback() // release the lock and the connection before writing to a possibly slow client
-		m.replay(w, start, rec, fp)
+		m.replay(w, r, start, rec, fp)
 		return
 	}
 
@@ -245,7 +247,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	returned := false
 	defer func() {
 		if !returned { // panic or runtime.Goexit: the deferred rollback undoes the handler's writes
-			m.observe(OutcomePanic, start)
+			m.observe(r, OutcomePanic, start)
 			m.cfg.Logger.Warn("idempotency: handler did not return normally; transaction rolled back, nothing stored",
 				"method", r.Method, "path", r.URL.Path)
 		}
@@ -267,7 +269,7 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 
 	if !store {
 		rollback()
-		m.observe(OutcomeNotStored, start)
+		m.observe(r, OutcomeNotStored, start)
 		m.send(w, bw.status, bw.header, bw.body.Bytes(), true)
 		return
 	}
@@ -307,12 +309,12 @@ func (m *Middleware) execute(w http.ResponseWriter, r *http.Request, next http.H
 	if err != nil {
 		// The commit may or may not have happened (a lost connection); either way a retry with
 		// the same key is safe: it replays the stored response or runs afresh.
-		m.storageFailure(w, start, "store response", err)
+		m.storageFailure(w, r, start, "store response", err)
 		return
 	}
 	ended = true
 	m.wake(lock)
-	m.observe(OutcomeStored, start)
+	m.observe(r, OutcomeStored, start)
 	m.send(w, bw.status, bw.header, bw.body.Bytes(), true)
 }
 
@@ -371,7 +373,7 @@ const (
 // is a request of this process. At most MaxWaiters requests wait at once; more get 409 at
 // once. ok is false when the request has been answered (409, or 503 on a storage failure);
 // otherwise the caller owns pc and tx.
-func (m *Middleware) acquireKey(ctx context.Context, w http.ResponseWriter, start time.Time, lock int64, owner, key string) (pc *pgxpool.Conn, tx pgx.Tx, rec *record, ok bool) {
+func (m *Middleware) acquireKey(ctx context.Context, w http.ResponseWriter, r *http.Request, start time.Time, lock int64, owner, key string) (pc *pgxpool.Conn, tx pgx.Tx, rec *record, ok bool) {
 	var (
 		kw       *keyWaiters // set while this request waits
 		deadline time.Time
@@ -385,19 +387,19 @@ func (m *Middleware) acquireKey(ctx context.Context, w http.ResponseWriter, star
 	for pause := waitPollMin; ; pause = min(2*pause, waitPollMax) {
 		pc, err := m.cfg.Pool.Acquire(ctx)
 		if err != nil {
-			m.storageFailure(w, start, "acquire connection", err)
+			m.storageFailure(w, r, start, "acquire connection", err)
 			return nil, nil, nil, false
 		}
 		tx, held, rec, err := m.claim(ctx, pc, lock, owner, key)
 		switch {
 		case tx == nil:
 			pc.Release()
-			m.storageFailure(w, start, "begin transaction", err)
+			m.storageFailure(w, r, start, "begin transaction", err)
 			return nil, nil, nil, false
 		case err != nil:
 			endTx(ctx, tx)
 			pc.Release()
-			m.storageFailure(w, start, "claim key", err)
+			m.storageFailure(w, r, start, "claim key", err)
 			return nil, nil, nil, false
 		case held:
 			return pc, tx, rec, true
@@ -405,14 +407,14 @@ func (m *Middleware) acquireKey(ctx context.Context, w http.ResponseWriter, star
 		endTx(ctx, tx) // give the connection back while the key is held elsewhere
 		pc.Release()
 		if m.cfg.WaitInFlight == 0 {
-			m.inFlight(w, start)
+			m.inFlight(w, r, start)
 			return nil, nil, nil, false
 		}
 		if kw == nil {
 			select {
 			case m.waitSlots <- struct{}{}:
 			default: // MaxWaiters requests already wait
-				m.inFlight(w, start)
+				m.inFlight(w, r, start)
 				return nil, nil, nil, false
 			}
 			// Join the key's waiters, then try once more at once: a holder that finished
@@ -422,7 +424,7 @@ func (m *Middleware) acquireKey(ctx context.Context, w http.ResponseWriter, star
 		}
 		left := time.Until(deadline)
 		if left <= 0 {
-			m.inFlight(w, start)
+			m.inFlight(w, r, start)
 			return nil, nil, nil, false
 		}
 		timer := time.NewTimer(min(pause-rand.N(pause/2), left))
@@ -433,7 +435,7 @@ func (m *Middleware) acquireKey(ctx context.Context, w http.ResponseWriter, star
 		case <-timer.C:
 		case <-ctx.Done(): // the client is gone
 			timer.Stop()
-			m.inFlight(w, start)
+			m.inFlight(w, r, start)
 			return nil, nil, nil, false
 		}
 		timer.Stop()
@@ -487,17 +489,17 @@ func endTx(ctx context.Context, tx pgx.Tx) {
 	_ = tx.Rollback(rctx)
 }
 
-func (m *Middleware) inFlight(w http.ResponseWriter, start time.Time) {
-	m.observe(OutcomeInFlight, start)
+func (m *Middleware) inFlight(w http.ResponseWriter, r *http.Request, start time.Time) {
+	m.observe(r, OutcomeInFlight, start)
 	w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
 	m.writeProblem(w, http.StatusConflict, ProblemInFlight, "A request with this Idempotency-Key is in progress",
 		"The first request with this key has not finished yet. Retry the same request, with the same key, after the Retry-After delay.", nil)
 }
 
 // replay answers from a stored record.
-func (m *Middleware) replay(w http.ResponseWriter, start time.Time, rec *record, fp []byte) {
+func (m *Middleware) replay(w http.ResponseWriter, r *http.Request, start time.Time, rec *record, fp []byte) {
 	if !bytes.Equal(rec.fingerprint, fp) {
-		m.observe(OutcomeMismatch, start)
+		m.observe(r, OutcomeMismatch, start)
 		m.writeProblem(w, m.cfg.MismatchStatus, ProblemKeyReused, "Idempotency-Key is already used",
 			"This key was already used with a different request (method, path, query or body). Use a new key for a new request; reuse a key only to retry the identical request.", nil)
 		return
@@ -508,7 +510,7 @@ func (m *Middleware) replay(w http.ResponseWriter, start time.Time, rec *record,
 	}
 	h.Set(HeaderReplayed, "true")
 	if !rec.hasBody {
-		m.observe(OutcomeNoBody, start)
+		m.observe(r, OutcomeNoBody, start)
 		h.Del("Content-Type") // the problem document has its own
 		for k, v := range h {
 			w.Header()[k] = v
@@ -518,7 +520,7 @@ func (m *Middleware) replay(w http.ResponseWriter, start time.Time, rec *record,
 			func(p *problem) { p.OriginalStatus = rec.status })
 		return
 	}
-	m.observe(OutcomeReplayed, start)
+	m.observe(r, OutcomeReplayed, start)
 	m.send(w, rec.status, h, rec.body, false)
 }
 
@@ -542,8 +544,8 @@ func (m *Middleware) storedHeaders(h http.Header) map[string][]string {
 	return out
 }
 
-func (m *Middleware) storageFailure(w http.ResponseWriter, start time.Time, step string, err error) {
-	m.observe(OutcomeStorageFail, start)
+func (m *Middleware) storageFailure(w http.ResponseWriter, r *http.Request, start time.Time, step string, err error) {
+	m.observe(r, OutcomeStorageFail, start)
 	m.cfg.Logger.Error("idempotency: storage failed; nothing stored, the request's writes rolled back", "step", step, "err", err)
 	w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
 	m.writeProblem(w, http.StatusServiceUnavailable, ProblemStorage, "Idempotency storage unavailable",
@@ -553,15 +555,21 @@ func (m *Middleware) storageFailure(w http.ResponseWriter, start time.Time, step
 // txMisuse answers a request whose handler did not leave its transaction for the middleware
 // to commit (see pgsql.ManagedTx); the transaction is already rolled back.
 func (m *Middleware) txMisuse(w http.ResponseWriter, r *http.Request, start time.Time, err error) {
-	m.observe(OutcomeTxMisuse, start)
+	m.observe(r, OutcomeTxMisuse, start)
 	m.cfg.Logger.Error("idempotency: the handler did not leave its transaction to the middleware; nothing stored, the request fails with 500",
 		"method", r.Method, "path", r.URL.Path, "err", err)
 	m.writeProblem(w, http.StatusInternalServerError, "", "Internal Server Error",
 		"The request failed on the server and nothing was stored for this Idempotency-Key.", nil)
 }
 
-func (m *Middleware) observe(o Outcome, start time.Time) {
+// observe reports the outcome to Metrics and, as the onceflow.idempotency.outcome attribute,
+// to the request's span (an otelhttp server span, say), so a slow or refused request's trace
+// says what the middleware did. Without a recording span this costs nothing.
+func (m *Middleware) observe(r *http.Request, o Outcome, start time.Time) {
 	m.cfg.Metrics.Observe(o, time.Since(start))
+	if span := trace.SpanFromContext(r.Context()); span.IsRecording() {
+		span.SetAttributes(tracing.IdempotencyOutcome.String(string(o)))
+	}
 }
 
 // lockID maps (schema, owner, key) to the 64-bit advisory lock key. A collision between two

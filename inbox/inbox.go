@@ -53,8 +53,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -105,6 +108,16 @@ type Config struct {
 	// that succeeded should commit, not be thrown away and redone after the redelivery.
 	// Default DefaultCommitTimeout (30 s); negative is refused.
 	CommitTimeout time.Duration
+	// TracerProvider records a `process <topic>` span (CONSUMER) per message, around its
+	// transaction, whose parent is the message's creation context (docs/operations.md,
+	// "Tracing"). Default nil: the global provider. Propagator reads that context from the
+	// metadata (Kafka headers); default nil: the global propagator, or W3C trace context when
+	// none is installed. Both also go to the default Writer.
+	TracerProvider trace.TracerProvider
+	Propagator     propagation.TextMapPropagator
+	// TraceAttributes adds attributes to the `process` span, e.g. inboxkafka.TraceAttributes
+	// (partition, offset, key). Default none.
+	TraceAttributes TraceAttributesFunc
 }
 
 // Inbox is the deduplicating middleware of one consumer. It is safe for concurrent use; the
@@ -114,6 +127,7 @@ type Inbox struct {
 	slots                              *connSlots // of cfg.Pool, shared with other Inboxes on it
 	claimOneSQL, claimManySQL, seenSQL string
 	errManaged                         error // what Commit and Rollback on the handler's view return
+	tr                                 *tracing.Tracer
 }
 
 // New validates cfg, reporting every problem at once, and returns an Inbox.
@@ -144,7 +158,7 @@ func New(cfg Config) (*Inbox, error) {
 		problems = append(problems, fmt.Errorf("NoKeyPolicy is %v; use inbox.RejectNoKey (default) or inbox.DropNoKey", cfg.NoKeyPolicy))
 	}
 	if cfg.Writer == nil && len(problems) == 0 {
-		w, err := outbox.NewWriter(outbox.Config{Schema: cfg.Schema})
+		w, err := outbox.NewWriter(outbox.Config{Schema: cfg.Schema, TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator})
 		if err != nil {
 			problems = append(problems, err)
 		}
@@ -175,6 +189,7 @@ func New(cfg Config) (*Inbox, error) {
 		seenSQL:      `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND dedup_key = $2)`,
 		errManaged: fmt.Errorf("%w (inbox consumer %q: it commits after writing the handler's returned messages; to abort, return an error from the handler)",
 			outbox.ErrTxManaged, cfg.Consumer),
+		tr: tracing.New(cfg.TracerProvider, cfg.Propagator),
 	}, nil
 }
 
@@ -206,10 +221,14 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 	// The handler sees a context carrying the transaction; put the original back afterwards so
 	// a Retry attempt (which reuses msg) never sees a finished transaction.
 	defer msg.SetContext(orig)
+	orig, span := ib.startProcess(orig, msg) // trace.go; the handler's context carries the span
+	outcome := outcomeFailed
+	defer func() { endProcess(span, outcome, err) }()
 
 	key, err := ib.key(msg)
 	if err != nil {
 		ib.cfg.Metrics.NoKey(ib.cfg.Consumer)
+		outcome = outcomeNoKey
 		if ib.cfg.NoKeyPolicy == DropNoKey {
 			ib.cfg.Logger.Warn("inbox: message without a dedup key dropped (acknowledged, handler not run)",
 				"message_uuid", msg.UUID, "err", err, "metadata", map[string]string(msg.Metadata))
@@ -250,6 +269,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 		finished = true
 		ib.rollback(orig, tx, msg)
 		ib.cfg.Metrics.Duplicate(ib.cfg.Consumer)
+		outcome = outcomeDuplicate
 		ib.cfg.Logger.Debug("inbox: duplicate skipped", "message_uuid", msg.UUID, "dedup_key", key)
 		return nil, nil
 	}
@@ -290,6 +310,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 	}
 	finished = true
 	ib.cfg.Metrics.Processed(ib.cfg.Consumer, time.Since(start))
+	outcome = outcomeProcessed
 	// Nothing goes back to the router: the produced messages are in the outbox.
 	return nil, nil
 }

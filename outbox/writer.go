@@ -28,8 +28,11 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/tracing"
 )
 
 // DefaultMaxPayloadBytes is the default payload limit: 1 MiB, Kafka's default message size.
@@ -72,6 +75,12 @@ type Config struct {
 	// commit is flushed, so sending one in every transaction would serialise every writer of
 	// the cluster.
 	DisableNotify bool
+	// TracerProvider records a `create <topic>` span per message written (see docs/operations.md,
+	// "Tracing"). Default nil: the global provider (otel.GetTracerProvider).
+	TracerProvider trace.TracerProvider
+	// Propagator writes the span context into the message metadata. Default nil: the global
+	// propagator, or W3C trace context (traceparent/tracestate) when none is installed.
+	Propagator propagation.TextMapPropagator
 }
 
 // WakeCheckInterval is how long a Writer trusts that every relay is awake before it asks the
@@ -103,6 +112,7 @@ type Writer struct {
 	// awakeAt is when a write last found every relay awake (UnixNano; 0 = check on the next
 	// write): until WakeCheckInterval after it, writes skip the check.
 	awakeAt atomic.Int64
+	tracer  *tracing.Tracer
 }
 
 // statements are the three shapes of a write: one message; several with one topic ($1 text);
@@ -127,7 +137,7 @@ func NewWriter(cfg Config) (*Writer, error) {
 	if err := config.Check("outbox", problems...); err != nil {
 		return nil, err
 	}
-	w := &Writer{cfg: cfg}
+	w := &Writer{cfg: cfg, tracer: tracing.New(cfg.TracerProvider, cfg.Propagator)}
 	cols := `INSERT INTO ` + pgsql.Table(cfg.Schema, "outbox") + ` (event_id, topic, partition_key, key_hash, payload, metadata) `
 	// One statement, one round trip. A single message (the common case: one event per business
 	// transaction) is a plain VALUES insert, as cheap as any INSERT of these columns; several
@@ -198,7 +208,7 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 		if len(problems) > 0 {
 			continue // keep validating to report every problem, but build nothing more
 		}
-		meta, err := json.Marshal(storedMetadata(msg.Metadata))
+		meta, err := json.Marshal(w.traced(ctx, topics[i], msg, storedMetadata(msg.Metadata)))
 		if err != nil {
 			return fmt.Errorf("outbox: encode metadata of message %d: %w", i, err)
 		}

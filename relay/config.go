@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/config"
 	"github.com/onceflow/onceflow/internal/pgsql"
@@ -129,6 +131,13 @@ type Config struct {
 
 	// Metrics receives the relay's measurements. Default: none (see relay/relayprom).
 	Metrics Metrics
+
+	// TracerProvider records one `send <topic>` span per batch handed to the sink, linked to
+	// each message's `create` span (docs/operations.md, "Tracing"). Default nil: the global
+	// provider. Propagator reads the creation context from the metadata; default nil: the
+	// global propagator, or W3C trace context when none is installed.
+	TracerProvider trace.TracerProvider
+	Propagator     propagation.TextMapPropagator
 }
 
 // Validate reports every invalid field at once, as New would, without needing a pool or sink.

@@ -157,6 +157,9 @@ func (l *leases) run(ctx context.Context, stop func(error)) {
 		tctx, cancel := context.WithTimeout(ctx, l.cfg.LeaseDuration)
 		err := l.tick(tctx)
 		cancel()
+		if ctx.Err() == nil {
+			l.m.LeaseRenewal(err == nil) // metrics.go
+		}
 		if errors.Is(err, ErrShardCountMismatch) || errors.Is(err, ErrInstanceIDInUse) {
 			stop(err)
 			return

@@ -21,8 +21,16 @@ type Metrics interface {
 	// OwnedShards reports how many shard leases this relay holds.
 	OwnedShards(n int)
 	// Pending reports, every Config.StatsInterval, the rows waiting in the outbox (all
-	// shards) and the age of the oldest of them (0 when empty).
+	// shards; exact up to ExactBacklogRows, an estimate above, see Backlog) and the age of the
+	// oldest of them (0 when empty).
 	Pending(rows int64, oldest time.Duration)
+	// ParkedRows reports, with Pending, the rows in outbox_parked (capped at
+	// ExactBacklogRows): rows that need an operator (`onceflow outbox parked`).
+	ParkedRows(n int64)
+	// LeaseRenewal is called after every lease round (renew, acquire, rebalance): ok is
+	// false when it failed, and the relay stops publishing at the lease fence if failures go
+	// on.
+	LeaseRenewal(ok bool)
 }
 
 // FailureKind says why messages were not acknowledged, for Metrics.Failed. Its values are
@@ -61,3 +69,9 @@ func (NopMetrics) OwnedShards(int) {}
 
 // Pending implements Metrics.
 func (NopMetrics) Pending(int64, time.Duration) {}
+
+// ParkedRows implements Metrics.
+func (NopMetrics) ParkedRows(int64) {}
+
+// LeaseRenewal implements Metrics.
+func (NopMetrics) LeaseRenewal(bool) {}

@@ -80,8 +80,10 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 	}
 	errs := make([]error, len(todo))
 	start := time.Now()
-	r.sink.Publish(ctx, todo, errs)
+	sctx, span := r.startSend(ctx, todo)
+	r.sink.Publish(sctx, todo, errs)
 	took := time.Since(start)
+	r.endSend(span, errs)
 	abandoned := ctx.Err() != nil
 
 	var undeliv []*Message

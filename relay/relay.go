@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/migrations"
 )
 
@@ -44,6 +45,7 @@ type Relay struct {
 	sleptAt     time.Time
 	// listening is true while the listener connection is LISTENing.
 	listening atomic.Bool
+	tr        *tracing.Tracer // send spans (trace.go)
 }
 
 // New validates cfg, reporting every problem at once (*ConfigError), and returns a relay
@@ -78,6 +80,7 @@ func New(cfg Config) (*Relay, error) {
 		q:       q,
 		blocked: newBlockList(cfg.RetryBackoff, cfg.MaxRetryBackoff),
 		wake:    make(chan struct{}, 1),
+		tr:      tracing.New(cfg.TracerProvider, cfg.Propagator),
 	}
 	r.cfg.Logger = r.log
 	r.leases = newLeases(r.cfg, pool, q, r.m)

@@ -12,7 +12,6 @@ type queries struct {
 	join, holder                                                      string
 	shardCount                                                        string
 	deleteAcked, countFailure, park                                   string
-	stats                                                             string
 	sleep, wake                                                       string
 	// seqLast reads the outbox id sequence's last value inside a claim (NULL::bigint until
 	// prepare found the sequence and may read it).
@@ -95,7 +94,5 @@ func newQueries(schema string) *queries {
 		INSERT INTO ` + q.parked + ` (id, event_id, topic, partition_key, key_hash, payload, metadata, created_at, attempts, last_error, parked_by)
 		SELECT id, event_id, topic, partition_key, key_hash, payload, metadata, created_at, attempts, err, $3 FROM moved
 		RETURNING id`
-	q.stats = `SELECT (SELECT count(*) FROM ` + q.outbox + `),
-		coalesce(extract(epoch FROM now() - (SELECT created_at FROM ` + q.outbox + ` ORDER BY id LIMIT 1)), 0)::float8`
 	return q
 }

@@ -5,18 +5,21 @@ import (
 	"time"
 )
 
-// sampleStats reports the pending rows and the age of the oldest every StatsInterval.
+// sampleStats reports the backlog (rows waiting, the age of the oldest, parked rows) every
+// StatsInterval. It reads them the cheap way (Backlog: endpoint lookups, a count capped at
+// ExactBacklogRows and the statistics counter), not with a count(*) that would read the
+// whole outbox every interval of every relay exactly when the outbox is large.
 func (r *Relay) sampleStats(ctx context.Context) {
 	t := time.NewTicker(r.cfg.StatsInterval)
 	defer t.Stop()
+	sql := backlogSQL(r.cfg.Schema)
 	for {
-		var rows int64
-		var age float64
 		qctx, cancel := context.WithTimeout(ctx, r.cfg.StatsInterval)
-		err := r.pool.QueryRow(qctx, r.q.stats).Scan(&rows, &age)
+		b, err := readBacklog(qctx, r.pool, sql, r.q.outbox)
 		cancel()
 		if err == nil {
-			r.m.Pending(rows, time.Duration(age*float64(time.Second)))
+			r.m.Pending(b.Rows, b.OldestAge())
+			r.m.ParkedRows(b.Parked)
 		} else if ctx.Err() == nil {
 			r.m.Failed(FailureDatabase, 1)
 		}

@@ -12,10 +12,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/config"
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -56,6 +59,12 @@ type OrchestratorConfig struct {
 	Logger *slog.Logger
 	// Metrics receives the orchestrator's measurements. Default NopMetrics{}.
 	Metrics Metrics
+	// TracerProvider records a `process <reply topic>` span per reply, child of the reply's
+	// creation context, with the saga's id, step and state after the transition. Default
+	// nil: the global provider. Propagator reads the creation context from the metadata;
+	// default nil: the global one, or W3C trace context. Both also go to the default Writer.
+	TracerProvider trace.TracerProvider
+	Propagator     propagation.TextMapPropagator
 }
 
 // Orchestrator drives the sagas of the registered definitions: Handler consumes the
@@ -71,6 +80,7 @@ type Orchestrator struct {
 
 	mu   sync.RWMutex
 	defs map[defKey]definition
+	tr   *tracing.Tracer // trace.go
 }
 
 type defKey struct {
@@ -115,7 +125,7 @@ func NewOrchestrator(cfg OrchestratorConfig) (*Orchestrator, error) {
 	if len(problems) == 0 {
 		var err error
 		if cfg.Writer == nil {
-			if cfg.Writer, err = outbox.NewWriter(outbox.Config{Schema: cfg.Schema}); err != nil {
+			if cfg.Writer, err = outbox.NewWriter(outbox.Config{Schema: cfg.Schema, TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator}); err != nil {
 				problems = append(problems, err)
 			}
 		}
@@ -126,7 +136,8 @@ func NewOrchestrator(cfg OrchestratorConfig) (*Orchestrator, error) {
 	if err := config.Check("saga orchestrator", problems...); err != nil {
 		return nil, err
 	}
-	return &Orchestrator{cfg: cfg, ib: ib, st: newStore(cfg.Schema), defs: map[defKey]definition{}}, nil
+	return &Orchestrator{cfg: cfg, ib: ib, st: newStore(cfg.Schema), defs: map[defKey]definition{},
+		tr: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
 }
 
 // Register adds a definition to the orchestrator. Register every version that may still have
@@ -200,7 +211,10 @@ func (o *Orchestrator) Handler(msg *message.Message) error {
 	}
 	ev := event{reply: &replyEvent{Step: ref.Step, Phase: ref.Phase, Attempt: ref.Attempt,
 		Outcome: msg.Metadata.Get(outbox.MetadataSagaOutcome), Reason: msg.Metadata.Get(outbox.MetadataSagaReason), Payload: msg.Payload}}
-	return o.transition(msg.Context(), ref.ID, key, ev)
+	ctx, span := startMessage(o.tr, msg, ref, o.cfg.Consumer)
+	err = o.transition(ctx, ref.ID, key, ev)
+	endMessage(span, err)
+	return err
 }
 
 // transition applies one event to saga id in one transaction. key, when set, is the reply's
@@ -248,6 +262,7 @@ func (o *Orchestrator) transition(ctx context.Context, id, key string, ev event)
 		return err
 	}
 	o.observe(in, fx, now)
+	noteTransition(ctx, in, fx)
 	return nil
 }
 

@@ -11,10 +11,13 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/config"
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -62,6 +65,12 @@ type ParticipantConfig struct {
 	Logger *slog.Logger
 	// Metrics counts the barrier's decisions (Metrics.Barrier). Default NopMetrics{}.
 	Metrics Metrics
+	// TracerProvider records a `process <command topic>` span per command, child of the
+	// command's creation context, so the reply it writes continues the saga's trace. Default
+	// nil: the global provider. Propagator: default nil, the global one or W3C trace
+	// context. Both also go to the default Writer.
+	TracerProvider trace.TracerProvider
+	Propagator     propagation.TextMapPropagator
 }
 
 // Participant turns typed step handlers into idempotent Watermill handlers (Action,
@@ -79,6 +88,7 @@ type ParticipantConfig struct {
 type Participant struct {
 	cfg ParticipantConfig
 	ib  *inbox.Inbox
+	tr  *tracing.Tracer // trace.go
 }
 
 // NewParticipant validates cfg, reporting every problem at once (*ConfigError).
@@ -94,7 +104,7 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 	}
 	var problems []error
 	if cfg.Writer == nil {
-		w, err := outbox.NewWriter(outbox.Config{Schema: cfg.Schema})
+		w, err := outbox.NewWriter(outbox.Config{Schema: cfg.Schema, TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator})
 		if err != nil {
 			problems = append(problems, err)
 		}
@@ -110,7 +120,7 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 	if err := config.Check("saga participant", problems...); err != nil {
 		return nil, err
 	}
-	return &Participant{cfg: cfg, ib: ib}, nil
+	return &Participant{cfg: cfg, ib: ib, tr: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
 }
 
 // Action returns the Watermill handler of a step's command: it decodes the command (JSON) into
@@ -159,7 +169,7 @@ func barrierKey(sagaID, step string, phase outbox.SagaPhase) string {
 // errTxManaged is what Commit and Rollback return on a handler's transaction.
 var errTxManaged = fmt.Errorf("%w (saga participant: it commits after writing the reply; to abort, return an error)", outbox.ErrTxManaged)
 
-func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run func(context.Context, pgx.Tx) ([]byte, error)) error {
+func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run func(context.Context, pgx.Tx) ([]byte, error)) (err error) {
 	ref, isSaga, err := outbox.SagaOf(msg)
 	if err == nil && !isSaga {
 		err = errors.New("no saga metadata")
@@ -179,7 +189,8 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 	if err != nil {
 		return err
 	}
-	ctx := msg.Context()
+	ctx, span := startMessage(p.tr, msg, ref, p.cfg.Consumer)
+	defer func() { endMessage(span, err) }()
 	tx, err := p.cfg.Pool.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)

@@ -17,9 +17,10 @@ import (
 	"github.com/onceflow/onceflow/relay"
 )
 
-const outboxSynopsis = `outbox inspect|parked|replay [flags]
+const outboxSynopsis = `outbox inspect|find|parked|replay [flags]
 
   inspect  pending rows, failing rows, parked count, shard leases and running relays
+  find     where one event is: pending (attempts, last error), parked, or gone = published
   parked   rows the broker kept refusing, with the error that got them parked
   replay   move parked rows back into the outbox (same event id, fresh attempt count);
            select them with --id, --event-id, --topic, --key or --all`
@@ -32,6 +33,8 @@ func (c *cli) runOutbox(ctx context.Context, args []string) error {
 	switch args[0] {
 	case "inspect":
 		return c.outboxInspect(ctx, args[1:])
+	case "find":
+		return c.outboxFind(ctx, args[1:]) // findcmd.go
 	case "parked":
 		return c.outboxParked(ctx, args[1:])
 	case "replay":

@@ -25,11 +25,16 @@ package inboxkafka
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/attribute"
+
+	"github.com/onceflow/onceflow/inbox"
 )
 
 // AutoCommitInterval is how often marked offsets are committed: the most a crash can make
@@ -77,3 +82,25 @@ func NewSubscriber(brokers []string, consumerGroup string, logger watermill.Logg
 	}
 	return kafka.NewSubscriber(SubscriberConfig(brokers, consumerGroup), logger)
 }
+
+// TraceAttributes is an inbox.Config.TraceAttributes that adds the Kafka coordinates
+// watermill-kafka puts in a message's context to its `process` span:
+// messaging.destination.partition.id, messaging.kafka.offset and messaging.kafka.message.key.
+//
+//	inbox.New(inbox.Config{Pool: pool, Consumer: "billing", TraceAttributes: inboxkafka.TraceAttributes})
+func TraceAttributes(msg *message.Message) []attribute.KeyValue {
+	ctx := msg.Context()
+	attrs := make([]attribute.KeyValue, 0, 3)
+	if p, ok := kafka.MessagePartitionFromCtx(ctx); ok {
+		attrs = append(attrs, attribute.String("messaging.destination.partition.id", strconv.Itoa(int(p))))
+	}
+	if o, ok := kafka.MessagePartitionOffsetFromCtx(ctx); ok {
+		attrs = append(attrs, attribute.Int64("messaging.kafka.offset", o))
+	}
+	if k, ok := kafka.MessageKeyFromCtx(ctx); ok && len(k) > 0 {
+		attrs = append(attrs, attribute.String("messaging.kafka.message.key", string(k)))
+	}
+	return attrs
+}
+
+var _ inbox.TraceAttributesFunc = TraceAttributes

@@ -20,8 +20,12 @@ import (
 //	onceflow_relay_errors_total{kind}           kind: undeliverable, transient, database
 //	onceflow_relay_parked_total                 rows moved to outbox_parked
 //	onceflow_relay_owned_shards                 shard leases this relay holds
-//	onceflow_relay_pending_rows                 rows waiting in the outbox (sampled)
+//	onceflow_relay_pending_rows                 rows waiting in the outbox (sampled; estimate above 10k)
 //	onceflow_relay_oldest_pending_seconds       age of the oldest waiting row (sampled)
+//	onceflow_relay_parked_rows                  rows in outbox_parked (sampled)
+//	onceflow_relay_lease_renewals_total{result} lease rounds; result: ok, failed
+//
+// docs/operations.md lists them with their units and the alerts built on them.
 type Metrics struct {
 	published   prometheus.Counter
 	publishTime prometheus.Histogram
@@ -30,6 +34,8 @@ type Metrics struct {
 	owned       prometheus.Gauge
 	pending     prometheus.Gauge
 	oldest      prometheus.Gauge
+	parkedRows  prometheus.Gauge
+	renewals    *prometheus.CounterVec
 }
 
 var _ relay.Metrics = (*Metrics)(nil)
@@ -65,17 +71,27 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		}),
 		pending: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "onceflow", Subsystem: "relay", Name: "pending_rows",
-			Help: "Rows waiting in the outbox (all shards), sampled every stats interval.",
+			Help: "Rows waiting in the outbox (all shards), sampled every stats interval: exact up to 10000, above that an estimate (the table's live-tuple statistic, bounded by the id span).",
 		}),
 		oldest: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: "onceflow", Subsystem: "relay", Name: "oldest_pending_seconds",
 			Help: "Age of the oldest row waiting in the outbox (0 when empty), sampled every stats interval.",
 		}),
+		parkedRows: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "onceflow", Subsystem: "relay", Name: "parked_rows",
+			Help: "Rows in outbox_parked waiting for an operator (onceflow outbox parked / replay), sampled every stats interval, counted up to 10000.",
+		}),
+		renewals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: "onceflow", Subsystem: "relay", Name: "lease_renewals_total",
+			Help: "Lease rounds (renew, acquire, rebalance) by result: ok or failed. Failures past the lease duration stop publishing.",
+		}, []string{"result"}),
 	}
 	for _, kind := range []relay.FailureKind{relay.FailureUndeliverable, relay.FailureTransient, relay.FailureDatabase} {
 		m.failed.WithLabelValues(string(kind)) // export zeros so rate() works from the start
 	}
-	for _, c := range []prometheus.Collector{m.published, m.publishTime, m.failed, m.parked, m.owned, m.pending, m.oldest} {
+	m.renewals.WithLabelValues("ok")
+	m.renewals.WithLabelValues("failed")
+	for _, c := range []prometheus.Collector{m.published, m.publishTime, m.failed, m.parked, m.owned, m.pending, m.oldest, m.parkedRows, m.renewals} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -104,4 +120,16 @@ func (m *Metrics) OwnedShards(n int) { m.owned.Set(float64(n)) }
 func (m *Metrics) Pending(rows int64, oldest time.Duration) {
 	m.pending.Set(float64(rows))
 	m.oldest.Set(oldest.Seconds())
+}
+
+// ParkedRows implements relay.Metrics.
+func (m *Metrics) ParkedRows(n int64) { m.parkedRows.Set(float64(n)) }
+
+// LeaseRenewal implements relay.Metrics.
+func (m *Metrics) LeaseRenewal(ok bool) {
+	result := "ok"
+	if !ok {
+		result = "failed"
+	}
+	m.renewals.WithLabelValues(result).Inc()
 }

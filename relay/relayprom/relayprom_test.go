@@ -24,6 +24,10 @@ func TestMetricsExported(t *testing.T) {
 	m.Parked(1)
 	m.OwnedShards(21)
 	m.Pending(1234, 90*time.Second)
+	m.ParkedRows(7)
+	m.LeaseRenewal(true)
+	m.LeaseRenewal(true)
+	m.LeaseRenewal(false)
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
@@ -46,15 +50,18 @@ func TestMetricsExported(t *testing.T) {
 		}
 	}
 	want := map[string]float64{
-		"onceflow_relay_published_total":                  5,
-		"onceflow_relay_publish_seconds_count":            2,
-		"onceflow_relay_errors_total{kind=transient}":     4,
-		"onceflow_relay_errors_total{kind=undeliverable}": 0,
-		"onceflow_relay_errors_total{kind=database}":      0,
-		"onceflow_relay_parked_total":                     1,
-		"onceflow_relay_owned_shards":                     21,
-		"onceflow_relay_pending_rows":                     1234,
-		"onceflow_relay_oldest_pending_seconds":           90,
+		"onceflow_relay_published_total":                     5,
+		"onceflow_relay_publish_seconds_count":               2,
+		"onceflow_relay_errors_total{kind=transient}":        4,
+		"onceflow_relay_errors_total{kind=undeliverable}":    0,
+		"onceflow_relay_errors_total{kind=database}":         0,
+		"onceflow_relay_parked_total":                        1,
+		"onceflow_relay_owned_shards":                        21,
+		"onceflow_relay_pending_rows":                        1234,
+		"onceflow_relay_oldest_pending_seconds":              90,
+		"onceflow_relay_parked_rows":                         7,
+		"onceflow_relay_lease_renewals_total{result=ok}":     2,
+		"onceflow_relay_lease_renewals_total{result=failed}": 1,
 	}
 	for k, v := range want {
 		if g, ok := got[k]; !ok || g != v {

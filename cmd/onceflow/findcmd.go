@@ -1,0 +1,247 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"text/tabwriter"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/pgsql"
+)
+
+// foundEvent is where `onceflow outbox find` found an event; --json prints it as is.
+type foundEvent struct {
+	EventID string `json:"event_id"`
+	// Where is "pending" (in the outbox), "parked" (in outbox_parked), "pending+parked"
+	// (replayed copies, or written twice) or "gone": not in either table, so published (a
+	// row leaves the outbox only once the broker acknowledged it) — or never committed.
+	Where   string      `json:"where"`
+	Pending []foundRow  `json:"pending"`
+	Parked  []foundRow  `json:"parked"`
+	Inbox   *foundDedup `json:"inbox,omitempty"`
+	Note    string      `json:"note,omitempty"`
+	shards  int
+}
+
+type foundRow struct {
+	ID        int64             `json:"id"`
+	Topic     string            `json:"topic"`
+	Key       string            `json:"key"`
+	CreatedAt time.Time         `json:"created_at"`
+	Attempts  int               `json:"attempts"`
+	LastError string            `json:"last_error"`
+	Shard     int               `json:"shard"`
+	Owner     string            `json:"shard_owner"`      // relay holding the row's shard ("" = none)
+	OwnerLive bool              `json:"shard_owner_live"` // its lease has not expired
+	ParkedAt  *time.Time        `json:"parked_at,omitempty"`
+	ParkedBy  string            `json:"parked_by,omitempty"`
+	Metadata  map[string]string `json:"metadata"`
+}
+
+// foundDedup is the inbox's dedup row of the event for one consumer.
+type foundDedup struct {
+	Consumer    string     `json:"consumer"`
+	DedupKey    string     `json:"dedup_key"`
+	Processed   bool       `json:"processed"`
+	ProcessedAt *time.Time `json:"processed_at,omitempty"`
+}
+
+const findSynopsis = `outbox find EVENT_ID [flags]
+
+Tells where an event is: pending in the outbox (with its attempts, last error and the relay
+holding its shard), parked (with the error that parked it), or gone, which means published:
+a row leaves the outbox only after the broker acknowledged it. With --consumer, also whether
+that consumer's inbox processed it (its dedup row in processed_event). The outbox has no
+index on event_id: on a large backlog the lookup reads the whole table once.`
+
+func (c *cli) outboxFind(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("outbox find", findSynopsis)
+	db := c.addDBFlags(fs)
+	consumer := fs.String("consumer", "", "also show this inbox consumer's dedup row for the event")
+	dedupKey := fs.String("dedup-key", "", "the dedup key to look up with --consumer (default: inbox.DefaultKey of the row's metadata, "+
+		"else of the event id; saga messages are keyed by saga id, step, phase and attempt)")
+	asJSON := fs.Bool("json", false, "print the result as JSON")
+	// The event id may come before, between or after the flags.
+	var id string
+	var rest []string
+	for {
+		if err := parse(fs, args); err != nil {
+			return err
+		}
+		if fs.NArg() == 0 {
+			break
+		}
+		if id == "" {
+			id = fs.Arg(0)
+		} else {
+			rest = append(rest, fs.Arg(0))
+		}
+		args = fs.Args()[1:]
+	}
+	if len(rest) > 0 {
+		return fmt.Errorf("unexpected arguments %q: pass one event id", rest)
+	}
+	if id == "" {
+		fmt.Fprintln(c.stderr, "onceflow outbox find: which event? pass its id (a UUID), e.g. onceflow outbox find 0193a5d2-7c4e-7b1a-9f00-1234567890ab")
+		fs.Usage()
+		return errUsage
+	}
+	u, err := uuid.Parse(id)
+	if err != nil {
+		return fmt.Errorf("%q is not an event id (a UUID)", id)
+	}
+	if *dedupKey != "" && *consumer == "" {
+		return errors.New("--dedup-key needs --consumer")
+	}
+	pool, err := db.connectMigrated(ctx, "onceflow-outbox")
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	t := func(name string) string { return pgsql.Table(db.schema, name) }
+	f := &foundEvent{EventID: u.String(), Pending: []foundRow{}, Parked: []foundRow{}}
+	if err := pool.QueryRow(ctx, `SELECT count(*)::int FROM `+t("relay_lease")).Scan(&f.shards); err != nil {
+		return fmt.Errorf("read shard count: %w", err)
+	}
+	// The owner of a row's shard, as the relay computes it: key_hash % shards.
+	owner := `coalesce((SELECT owner FROM ` + t("relay_lease") + ` l WHERE l.shard = r.key_hash % nullif($2, 0)), ''),
+		coalesce((SELECT expires_at > now() FROM ` + t("relay_lease") + ` l WHERE l.shard = r.key_hash % nullif($2, 0)), false)`
+	scan := func(sql string, parked bool) ([]foundRow, error) {
+		rows, err := pool.Query(ctx, sql, f.EventID, f.shards)
+		if err != nil {
+			return nil, err
+		}
+		defer rows.Close()
+		out := []foundRow{}
+		for rows.Next() {
+			var r foundRow
+			var shard *int64
+			var meta []byte
+			dest := []any{&r.ID, &r.Topic, &r.Key, &r.CreatedAt, &r.Attempts, &r.LastError, &shard, &r.Owner, &r.OwnerLive, &meta}
+			if parked {
+				dest = append(dest, &r.ParkedAt, &r.ParkedBy)
+			}
+			if err := rows.Scan(dest...); err != nil {
+				return nil, err
+			}
+			if shard != nil {
+				r.Shard = int(*shard)
+			}
+			if err := json.Unmarshal(meta, &r.Metadata); err != nil {
+				r.Metadata = map[string]string{"(undecodable)": string(meta)}
+			}
+			out = append(out, r)
+		}
+		return out, rows.Err()
+	}
+	cols := `r.id, r.topic, r.partition_key, r.created_at, r.attempts, coalesce(r.last_error, ''), r.key_hash % nullif($2, 0), ` + owner + `, r.metadata`
+	if f.Pending, err = scan(`SELECT `+cols+` FROM `+t("outbox")+` r WHERE r.event_id = $1 ORDER BY r.id`, false); err != nil {
+		return fmt.Errorf("look up the event in %s.outbox: %w", db.schema, err)
+	}
+	if f.Parked, err = scan(`SELECT `+cols+`, r.parked_at, r.parked_by FROM `+t("outbox_parked")+` r WHERE r.event_id = $1 ORDER BY r.id`, true); err != nil {
+		return fmt.Errorf("look up the event in %s.outbox_parked: %w", db.schema, err)
+	}
+	switch {
+	case len(f.Pending) > 0 && len(f.Parked) > 0:
+		f.Where = "pending+parked"
+	case len(f.Pending) > 0:
+		f.Where = "pending"
+	case len(f.Parked) > 0:
+		f.Where = "parked"
+	default:
+		f.Where = "gone"
+		f.Note = "not in the outbox nor parked: published (a row is deleted only after the broker acknowledged it), or its transaction never committed"
+	}
+	if *consumer != "" {
+		key := *dedupKey
+		if key == "" {
+			key = f.dedupKey()
+		}
+		d := &foundDedup{Consumer: *consumer, DedupKey: key}
+		err := pool.QueryRow(ctx, `SELECT processed_at FROM `+t("processed_event")+` WHERE consumer = $1 AND dedup_key = $2`, *consumer, key).Scan(&d.ProcessedAt)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+		case err != nil:
+			return fmt.Errorf("look up the dedup row: %w", err)
+		default:
+			d.Processed = true
+		}
+		f.Inbox = d
+	}
+	if *asJSON {
+		b, _ := json.Marshal(f)
+		_, err := fmt.Fprintf(c.stdout, "%s\n", b)
+		return err
+	}
+	return f.print(c)
+}
+
+// dedupKey is the inbox's default key of the event: from a row's metadata when one was
+// found (saga messages are keyed by their saga reference), else the key of the event id.
+func (f *foundEvent) dedupKey() string {
+	for _, rows := range [][]foundRow{f.Pending, f.Parked} {
+		for _, r := range rows {
+			msg := message.NewMessage(f.EventID, nil)
+			for k, v := range r.Metadata {
+				msg.Metadata.Set(k, v)
+			}
+			if k, err := inbox.DefaultKey(msg); err == nil {
+				return k
+			}
+		}
+	}
+	k, _ := inbox.DefaultKey(message.NewMessage(f.EventID, nil))
+	return k
+}
+
+func (f *foundEvent) print(c *cli) error {
+	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
+	p := &printer{w: tw}
+	p.f("event %s: %s\n", f.EventID, f.Where)
+	if f.Note != "" {
+		p.f("  %s\n", f.Note)
+	}
+	if len(f.Pending) > 0 {
+		p.f("\nPENDING ID\tTOPIC\tKEY\tCREATED\tATTEMPTS\tSHARD\tSHARD OWNER\tLAST ERROR\n")
+		for _, r := range f.Pending {
+			p.f("%d\t%s\t%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.Topic, r.Key, fmtTime(r.CreatedAt), r.Attempts, r.Shard, ownerText(r), oneLine(r.LastError))
+		}
+	}
+	if len(f.Parked) > 0 {
+		p.f("\nPARKED ID\tTOPIC\tKEY\tCREATED\tATTEMPTS\tPARKED\tBY\tERROR\n")
+		for _, r := range f.Parked {
+			at := time.Time{}
+			if r.ParkedAt != nil {
+				at = *r.ParkedAt
+			}
+			p.f("%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", r.ID, r.Topic, r.Key, fmtTime(r.CreatedAt), r.Attempts, fmtTime(at), r.ParkedBy, oneLine(r.LastError))
+		}
+		p.f("(replay with: onceflow outbox replay --event-id %s)\n", f.EventID)
+	}
+	if d := f.Inbox; d != nil {
+		if d.Processed {
+			p.f("\ninbox: consumer %q processed it at %s (dedup key %q)\n", d.Consumer, fmtTime(*d.ProcessedAt), d.DedupKey)
+		} else {
+			p.f("\ninbox: consumer %q has no dedup row for key %q: not processed yet, or its row expired (retention)\n", d.Consumer, d.DedupKey)
+		}
+	}
+	return p.flush(tw)
+}
+
+func ownerText(r foundRow) string {
+	switch {
+	case r.Owner == "":
+		return "(none: no relay holds it)"
+	case !r.OwnerLive:
+		return r.Owner + " (lease expired)"
+	default:
+		return r.Owner
+	}
+}
