@@ -27,6 +27,8 @@ const (
 	DefaultRetryBackoff    = 100 * time.Millisecond
 	DefaultMaxRetryBackoff = 30 * time.Second
 	DefaultShutdownTimeout = 10 * time.Second
+	// DefaultStatementTimeout bounds each of the relay's claims, deletes and failure records.
+	DefaultStatementTimeout = 15 * time.Second
 	DefaultStatsInterval   = 10 * time.Second
 )
 
@@ -106,6 +108,15 @@ type Config struct {
 	// to MaxRetryBackoff, with ±25% jitter. Defaults 100ms and 30s.
 	RetryBackoff    time.Duration
 	MaxRetryBackoff time.Duration
+
+	// StatementTimeout bounds every claim, delete and failure record the relay sends (lease
+	// renewals are bounded by LeaseDuration). A statement still running then is cancelled and
+	// its connection closed if it does not answer, so a claim stuck on a half-open connection
+	// (a NAT or firewall that dropped the flow silently) or behind a lock is retried on a fresh
+	// connection instead of stalling this relay's shards while its renewals, on other
+	// connections, keep them. Default 15s; raise it only if a first claim after failover,
+	// which walks the outbox once, legitimately takes longer.
+	StatementTimeout time.Duration
 
 	// ShutdownTimeout is how long Run waits, once its context is cancelled, for the batch in
 	// flight to be acknowledged before abandoning it (its rows stay and are published again
@@ -192,6 +203,9 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxRetryBackoff == 0 {
 		c.MaxRetryBackoff = DefaultMaxRetryBackoff
 	}
+	if c.StatementTimeout == 0 {
+		c.StatementTimeout = DefaultStatementTimeout
+	}
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout
 	}
@@ -239,6 +253,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.MaxRetryBackoff < c.RetryBackoff {
 		add("MaxRetryBackoff (%s) is shorter than RetryBackoff (%s)", c.MaxRetryBackoff, c.RetryBackoff)
+	}
+	if c.StatementTimeout < 10*time.Millisecond {
+		add("StatementTimeout is %s; use at least 10ms (0 means the default %s)", c.StatementTimeout, DefaultStatementTimeout)
 	}
 	if c.ShutdownTimeout < 0 {
 		add("ShutdownTimeout is %s; use a positive duration (0 means the default %s)", c.ShutdownTimeout, DefaultShutdownTimeout)

@@ -200,7 +200,9 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 		sql, args = r.q.nextSQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
 	}
 	t0 := time.Now()
-	c, err := r.runClaim(bctx, kind, sql, args, r.cfg.BatchSize)
+	cctx, cancelClaim := context.WithTimeout(bctx, r.cfg.StatementTimeout)
+	c, err := r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize)
+	cancelClaim()
 	tClaim := time.Since(t0)
 	if err != nil {
 		if bctx.Err() != nil {
@@ -286,7 +288,7 @@ func (r *Relay) globalBackoff() time.Duration {
 // failures counted and parked at the limit. It uses its own context: deleting acknowledged
 // rows is worth finishing even when shutdown or a lost lease cancelled the batch.
 func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res *result) {
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StatementTimeout)
 	defer cancel()
 	now := time.Now()
 	// Deleted before the next claim, never overlapped with it: a claim that skipped rows still

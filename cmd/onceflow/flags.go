@@ -8,8 +8,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -176,6 +178,13 @@ func (d *dbFlags) open(ctx context.Context, applicationName string) (*pgxpool.Po
 	if cfg.ConnConfig.RuntimeParams["application_name"] == "" {
 		cfg.ConnConfig.RuntimeParams["application_name"] = applicationName
 	}
+	// TCP keepalives find a peer that vanished without closing (a NAT or firewall that dropped
+	// the flow, a server host that died) within about 30 s on an idle connection, instead of
+	// the kernel's default of two hours; statements in flight are bounded by the commands' own
+	// timeouts (relay.Config.StatementTimeout).
+	dialer := &net.Dialer{Timeout: 10 * time.Second,
+		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interval: 5 * time.Second, Count: 3}}
+	cfg.ConnConfig.DialFunc = dialer.DialContext
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, pgsql.RedactError(fmt.Errorf("connect to database: %w", err), d.url)

@@ -91,6 +91,7 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		maxAttempts     = fs.Int("max-attempts", env.int("ONCEFLOW_RELAY_MAX_ATTEMPTS", relay.DefaultMaxAttempts), "refusals the broker repeats every time (e.g. message too large) before a row is parked; transient errors never count [ONCEFLOW_RELAY_MAX_ATTEMPTS]")
 		maxMessageBytes = fs.Int("max-message-bytes", env.int("ONCEFLOW_RELAY_MAX_MESSAGE_BYTES", relaykafka.DefaultMaxMessageBytes), "largest record sent; larger rows are refused before sending (keep ≤ the topic's max.message.bytes) [ONCEFLOW_RELAY_MAX_MESSAGE_BYTES]")
 		instanceID      = fs.String("id", c.getenv("ONCEFLOW_RELAY_ID"), "unique name of this relay in the lease table; a restart with the same id takes its leases back at once (default <hostname>-<pid>) [ONCEFLOW_RELAY_ID]")
+		stmtTimeout     = fs.Duration("statement-timeout", env.duration("ONCEFLOW_RELAY_STATEMENT_TIMEOUT", relay.DefaultStatementTimeout), "longest a claim, delete or failure record may take before it is cancelled and retried on a fresh connection [ONCEFLOW_RELAY_STATEMENT_TIMEOUT]")
 		shutdownTimeout = fs.Duration("shutdown-timeout", env.duration("ONCEFLOW_RELAY_SHUTDOWN_TIMEOUT", relay.DefaultShutdownTimeout), "on SIGTERM, how long the batch in flight may take before it is abandoned (its rows stay) [ONCEFLOW_RELAY_SHUTDOWN_TIMEOUT]")
 		metricsAddr     = fs.String("metrics-addr", c.getenv("ONCEFLOW_METRICS_ADDR"), "serve Prometheus /metrics and /healthz on this address, e.g. :9464 (default: off) [ONCEFLOW_METRICS_ADDR]")
 		logLevel        = fs.String("log-level", c.envOr("ONCEFLOW_LOG_LEVEL", "info"), "debug, info, warn or error [ONCEFLOW_LOG_LEVEL]")
@@ -143,6 +144,7 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		BatchSize:        *batchSize,
 		PollInterval:     *pollInterval,
 		MaxBatchBytes:    *maxBatchBytes,
+		StatementTimeout: *stmtTimeout,
 		BusyPollInterval: *busyPoll,
 		Shards:           *shards,
 		LeaseDuration:    *leaseDuration,
