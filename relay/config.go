@@ -29,7 +29,9 @@ const (
 	DefaultShutdownTimeout = 10 * time.Second
 	// DefaultStatementTimeout bounds each of the relay's claims, deletes and failure records.
 	DefaultStatementTimeout = 15 * time.Second
-	DefaultStatsInterval   = 10 * time.Second
+	DefaultStatsInterval    = 10 * time.Second
+	// DefaultFailureLogInterval is how often a relay that keeps failing to publish logs a summary.
+	DefaultFailureLogInterval = 30 * time.Second
 )
 
 // Limits enforced by Config validation.
@@ -127,6 +129,13 @@ type Config struct {
 	// the oldest for Metrics.Pending. Default 10s; negative disables sampling.
 	StatsInterval time.Duration
 
+	// FailureLogInterval is how often a relay that keeps failing to publish logs one warning
+	// summing the failures up: how many, per topic and error, how many rows are undeliverable,
+	// how many keys wait, and the age of the oldest failing row. The first failure after a
+	// quiet spell is logged at once and the recovery too; single failures go to debug. Default
+	// 30s.
+	FailureLogInterval time.Duration
+
 	// InstanceID names this relay in the lease table. It must be unique among running relays.
 	// A relay restarted with the same id takes over its own leases at once instead of waiting
 	// for them to expire. Default "<hostname>-<pid>".
@@ -209,6 +218,9 @@ func (c Config) withDefaults() (Config, error) {
 	if c.ShutdownTimeout == 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout
 	}
+	if c.FailureLogInterval == 0 {
+		c.FailureLogInterval = DefaultFailureLogInterval
+	}
 	if c.StatsInterval == 0 {
 		c.StatsInterval = DefaultStatsInterval
 	}
@@ -226,6 +238,9 @@ func (c Config) withDefaults() (Config, error) {
 	add := func(format string, args ...any) { problems = append(problems, fmt.Errorf(format, args...)) }
 	if err := pgsql.ValidateSchema(c.Schema); err != nil {
 		problems = append(problems, err)
+	}
+	if c.FailureLogInterval < 0 {
+		add("FailureLogInterval is %s; use a positive duration (0 means the default %s)", c.FailureLogInterval, DefaultFailureLogInterval)
 	}
 	if c.BatchSize < 1 || c.BatchSize > MaxBatchSize {
 		add("BatchSize is %d; use 1 to %d (0 means the default %d)", c.BatchSize, MaxBatchSize, DefaultBatchSize)

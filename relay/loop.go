@@ -224,6 +224,7 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 		}
 	}
 	r.advance(c, res, blocked, time.Now())
+	r.flog.tick(len(res.culprits)+res.transient == 0, len(r.blocked.entries), time.Now())
 	out := stepOutcome{next: idle, rows: len(c.msgs), retryAt: r.blocked.plan(time.Now()).next}
 	if len(res.ackedIDs) == 0 && len(res.parkedIDs) == 0 && res.transient > 0 {
 		return stepOutcome{next: backOff, wait: r.globalBackoff(), rows: len(c.msgs)}
@@ -377,7 +378,7 @@ func (r *Relay) recordFailures(ctx context.Context, snap snapshot, res *result, 
 			continue
 		}
 		d := r.blocked.fail(c.msg, c.msg.Attempts+1, now)
-		r.log.Warn("relay: broker refused a row; its key waits and retries",
+		r.log.Debug("relay: broker refused a row; its key waits and retries",
 			"id", c.msg.ID, "event_id", c.msg.EventID, "topic", c.msg.Topic, "key", c.msg.Key,
 			"attempt", c.msg.Attempts+1, "max_attempts", r.cfg.MaxAttempts, "retry_in", d.Round(time.Millisecond), "err", c.err)
 	}

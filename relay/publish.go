@@ -109,7 +109,9 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 		default:
 			if !failed[m.blockKey] && !abandoned {
 				res.transientMsgs = append(res.transientMsgs, m)
-				r.log.Debug("relay: publish failed, will retry", "id", m.ID, "key", m.Key, "err", err)
+			}
+			if !abandoned {
+				r.flog.add(m, err, false, time.Now())
 			}
 			failed[m.blockKey] = true
 			transient++
@@ -121,8 +123,6 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 	if transient > 0 && !abandoned {
 		res.transient += transient
 		r.m.Failed(FailureTransient, transient)
-		r.log.Warn("relay: broker did not acknowledge messages; they stay in the outbox and are retried with backoff",
-			"failed", transient, "acked", acked, "err", firstTransient(errs))
 	}
 	if len(undeliv) == 0 {
 		return
@@ -132,6 +132,7 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 			failed[m.blockKey] = true
 			res.culprits = append(res.culprits, culprit{m, undelivErr[i]})
 			r.m.Failed(FailureUndeliverable, 1)
+			r.flog.add(m, undelivErr[i], true, time.Now())
 		}
 		return
 	}
@@ -139,13 +140,4 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 	h := len(undeliv) / 2
 	r.send(ctx, undeliv[:h], failed, res)
 	r.send(ctx, undeliv[h:], failed, res)
-}
-
-func firstTransient(errs []error) error {
-	for _, err := range errs {
-		if err != nil && !errors.Is(err, ErrHeldBack) && !IsUndeliverable(err) {
-			return err
-		}
-	}
-	return nil
 }

@@ -46,6 +46,7 @@ type Relay struct {
 	// listening is true while the listener connection is LISTENing.
 	listening atomic.Bool
 	tr        *tracing.Tracer // send spans (trace.go)
+	flog      *failureLog     // publish failures, summed up (failurelog.go)
 }
 
 // New validates cfg, reporting every problem at once (*ConfigError), and returns a relay
@@ -81,6 +82,7 @@ func New(cfg Config) (*Relay, error) {
 		blocked: newBlockList(cfg.RetryBackoff, cfg.MaxRetryBackoff),
 		wake:    make(chan struct{}, 1),
 		tr:      tracing.New(cfg.TracerProvider, cfg.Propagator),
+		flog:    newFailureLog(cfg.Logger, cfg.FailureLogInterval),
 	}
 	r.cfg.Logger = r.log
 	r.leases = newLeases(r.cfg, pool, q, r.m)
