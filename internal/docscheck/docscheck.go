@@ -106,7 +106,7 @@ func Blocks(file, markdown string) ([]Block, error) {
 // Imports maps the package names documentation may use without importing them to their
 // import paths.
 var Imports = map[string]string{
-	"context": "context", "errors": "errors", "fmt": "fmt", "io": "io", "log": "log",
+	"bytes": "bytes", "context": "context", "errors": "errors", "fmt": "fmt", "io": "io", "log": "log",
 	"os": "os", "strings": "strings", "sync": "sync", "time": "time", "testing": "testing",
 	"http": "net/http", "httptest": "net/http/httptest", "slog": "log/slog",
 	"json": "encoding/json", "signal": "os/signal", "syscall": "syscall",
