@@ -8,18 +8,26 @@
 //	func TestMain(m *testing.M) { onceflowtest.Main(m) } // stops the server after the tests
 //
 //	func TestBilling(t *testing.T) {
-//		db := onceflowtest.NewDB(t)                                     // a fresh, migrated database
+//		db := onceflowtest.NewDB(t) // a fresh, migrated database
 //		kafka := onceflowtest.NewKafka(t, onceflowtest.KafkaOptions{Topics: []string{"orders.placed"}})
 //		ib, err := inbox.New(inbox.Config{Pool: db.Pool, Consumer: "billing"})
+//		sub, err := inboxkafka.NewSubscriber(kafka.Brokers, "billing", logger)
 //		// ... the same code as in the service: nothing here names a test schema.
 //	}
 //
 // Outside a test (an Example, a demo program):
 //
-//	env, err := onceflowtest.Start(ctx, onceflowtest.Options{Topics: []string{"orders.placed"}})
-//	if err != nil { ... }
+//	env, err := onceflowtest.Start(ctx, onceflowtest.Options{
+//		Kafka: onceflowtest.KafkaOptions{Topics: []string{"orders.placed"}},
+//	})
+//	if err != nil {
+//		return err
+//	}
 //	defer env.Close()
-//	// env.Pool, env.DatabaseURL, env.Brokers
+//	// env.Pool, env.DatabaseURL, env.Brokers: the same as NewDB's and NewKafka's
+//
+// A service that wants its tables in a schema of its own migrates it itself, on the same pool:
+// migrations.Up(ctx, db.Pool, migrations.Options{Schema: "orders"}).
 //
 // # PostgreSQL
 //
