@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/onceflowtest"
@@ -80,6 +81,9 @@ func TestNewDB(t *testing.T) {
 
 // Seeded topics exist with the partitions asked for; others are not created on first use.
 func TestNewKafka(t *testing.T) {
+	if os.Getenv("KAFKA_BROKERS") != "" {
+		t.Skip("KAFKA_BROKERS is set: NewKafka uses that cluster (TestNewKafkaOnKafkaBrokers covers it)")
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	k := onceflowtest.NewKafka(t, onceflowtest.KafkaOptions{Topics: []string{"orders.placed", "orders.paid"}, Partitions: 3})
@@ -182,5 +186,32 @@ func TestStartStandalone(t *testing.T) {
 	if conn, err := pgx.Connect(ctx, env.DatabaseURL); err == nil {
 		conn.Close(ctx)
 		t.Fatal("the server still accepts connections after Close")
+	}
+}
+
+// With KAFKA_BROKERS, NewKafka creates the missing topics on that cluster (here a kfake
+// cluster that does not create topics itself) and leaves existing ones alone.
+func TestNewKafkaOnKafkaBrokers(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	external, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "existing"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer external.Close()
+	t.Setenv("KAFKA_BROKERS", strings.Join(external.ListenAddrs(), ","))
+	k := onceflowtest.NewKafka(t, onceflowtest.KafkaOptions{Topics: []string{"existing", "created"}, Partitions: 2})
+	if k.Cluster != nil {
+		t.Fatal("Cluster is set although KAFKA_BROKERS is")
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(k.Brokers...), kgo.RecordPartitioner(kgo.ManualPartitioner()), kgo.UnknownTopicRetries(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	for _, r := range []*kgo.Record{{Topic: "existing", Partition: 0}, {Topic: "created", Partition: 1}} {
+		if err := cl.ProduceSync(ctx, r).FirstErr(); err != nil {
+			t.Errorf("produce to %s/%d: %v", r.Topic, r.Partition, err)
+		}
 	}
 }
