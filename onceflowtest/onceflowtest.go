@@ -63,6 +63,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -165,8 +166,8 @@ type Options struct {
 	Kafka KafkaOptions
 	// NoKafka skips Kafka: for programs that only need the database.
 	NoKafka bool
-	// Logf receives a line when a PostgreSQL cluster is started or stopped, e.g. log.Printf.
-	// Default: discard.
+	// Logf receives one line per server saying which one is used (DATABASE_URL, KAFKA_BROKERS,
+	// or the embedded ones, started and stopped), e.g. log.Printf. Default: discard.
 	Logf func(format string, args ...any)
 }
 
@@ -198,6 +199,7 @@ func Start(ctx context.Context, opts Options) (*Env, error) {
 	url := os.Getenv("DATABASE_URL")
 	switch {
 	case url != "":
+		logf("onceflowtest: PostgreSQL from DATABASE_URL")
 	case !standalone:
 		// The test binary's shared server, stopped by Main (or by testdb.Main in onceflow's
 		// own packages): one cluster for all Examples and tests instead of one each.
@@ -223,6 +225,7 @@ func Start(ctx context.Context, opts Options) (*Env, error) {
 	}
 	env.DB = *db
 	env.closers = append(env.closers, drop)
+	logf("onceflowtest: database %s created, onceflow schema migrated", db.Name)
 	if !opts.NoKafka {
 		k, err := startKafka(ctx, opts.Kafka)
 		if err != nil {
@@ -230,6 +233,11 @@ func Start(ctx context.Context, opts Options) (*Env, error) {
 		}
 		env.Kafka = *k
 		env.closers = append(env.closers, func() error { k.close(); return nil })
+		if k.Cluster != nil {
+			logf("onceflowtest: in-process Kafka (kfake) at %s, topics %v", strings.Join(k.Brokers, ","), opts.Kafka.Topics)
+		} else {
+			logf("onceflowtest: Kafka from KAFKA_BROKERS, topics %v", opts.Kafka.Topics)
+		}
 	}
 	return env, nil
 }
