@@ -8,7 +8,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -75,12 +74,11 @@ func addBilling(router *message.Router, pool *pgxpool.Pool, sub message.Subscrib
 	if err != nil {
 		return err
 	}
-	router.AddMiddleware(middleware.Recoverer, ib.Middleware)
 	router.AddConsumerHandler("billing", "orders.placed", sub, func(msg *message.Message) error {
 		tx := outbox.MustTx(msg.Context()) // the inbox's transaction
 		_, err := tx.Exec(msg.Context(), `INSERT INTO invoice (event_id) VALUES ($1)`, msg.UUID)
 		return err
-	})
+	}).AddMiddleware(ib.Middleware)
 	return nil
 }
 
