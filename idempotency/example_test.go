@@ -7,24 +7,32 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"testing"
 
 	"github.com/onceflow/onceflow/idempotency"
-	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/onceflowtest"
 	"github.com/onceflow/onceflow/outbox"
 )
 
-// A POST handler made safe to retry: the order insert and the stored response commit
-// together, a retry gets the stored response, and a reused key with another body is refused.
+// A POST handler made safe to retry: the order row, its OrderCreated event (in the outbox)
+// and the stored response commit in one transaction; a retry gets the stored response and
+// runs nothing; a reused key with another body is refused. In a service the pool comes from
+// pgxpool.New on DATABASE_URL and Owner from the authentication that ran before.
 func ExampleNew() {
-	db, done := exampleDB() // a pool and a schema migrated with migrations.Up
-	defer done()
 	ctx := context.Background()
-	db.Pool.Exec(ctx, `CREATE TABLE `+db.Table("orders")+` (id bigserial PRIMARY KEY, item text)`)
+	env, err := onceflowtest.Start(ctx, onceflowtest.Options{NoKafka: true}) // a throwaway, migrated database
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer env.Close()
+	pool := env.Pool
+	if _, err := pool.Exec(ctx, `CREATE TABLE orders (id bigserial PRIMARY KEY, item text NOT NULL)`); err != nil {
+		fmt.Println(err)
+		return
+	}
 
 	mw, err := idempotency.New(idempotency.Config{
-		Pool:   db.Pool,
-		Schema: db.Schema,
+		Pool: pool,
 		// Authentication ran before: the owner scopes the keys.
 		Owner: func(r *http.Request) (string, error) { return r.Header.Get("X-User"), nil },
 	})
@@ -33,13 +41,17 @@ func ExampleNew() {
 		return
 	}
 	createOrder := func(w http.ResponseWriter, r *http.Request) {
+		ctx := r.Context()
 		item, _ := io.ReadAll(r.Body)
+		tx := outbox.MustTx(ctx) // the request's transaction: everything on it commits with the response
 		var id int64
-		// outbox.MustTx returns the request's transaction: the insert commits with the response.
-		err := outbox.MustTx(r.Context()).QueryRow(r.Context(),
-			`INSERT INTO `+db.Table("orders")+` (item) VALUES ($1) RETURNING id`, item).Scan(&id)
-		if err != nil {
+		if err := tx.QueryRow(ctx, `INSERT INTO orders (item) VALUES ($1) RETURNING id`, item).Scan(&id); err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError) // 5xx: rolled back, not stored
+			return
+		}
+		evt := outbox.SetPartitionKey(outbox.NewMessage(fmt.Appendf(nil, `{"id":%d}`, id)), fmt.Sprint(id))
+		if err := outbox.WriteTx(ctx, tx, "orders.created", evt); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
 		}
 		w.Header().Set("Location", fmt.Sprintf("/orders/%d", id))
@@ -72,35 +84,14 @@ func ExampleNew() {
 	post(`"3f1c2a9e-5b7d-4e8f-9a01-23456789abcd"`, "pen")  // same key, other body
 	post(`""`, "pen")                                      // malformed key
 
-	var orders int
-	db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Table("orders")).Scan(&orders)
-	fmt.Println("orders:", orders)
+	var orders, events int
+	_ = pool.QueryRow(ctx, `SELECT count(*) FROM orders`).Scan(&orders)
+	_ = pool.QueryRow(ctx, `SELECT count(*) FROM onceflow.outbox WHERE topic = 'orders.created'`).Scan(&events)
+	fmt.Println("orders:", orders, "events:", events)
 	// Output:
 	// 201  {"id":1}
 	// 201 true {"id":1}
 	// 422  problem+json
 	// 400  problem+json
-	// orders: 1
+	// orders: 1 events: 1
 }
-
-// exampleDB gives an example its own migrated schema, like testdb.New does for a test.
-func exampleDB() (*testdb.DB, func()) {
-	tb := &exampleTB{}
-	db := testdb.New(tb)
-	return db, func() {
-		for i := len(tb.cleanups) - 1; i >= 0; i-- {
-			tb.cleanups[i]()
-		}
-	}
-}
-
-// exampleTB is the little of testing.TB that testdb needs, for use outside a test.
-type exampleTB struct {
-	testing.TB
-	cleanups []func()
-}
-
-func (*exampleTB) Helper()                           {}
-func (*exampleTB) Logf(string, ...any)               {}
-func (*exampleTB) Fatalf(format string, args ...any) { panic(fmt.Sprintf(format, args...)) }
-func (e *exampleTB) Cleanup(f func())                { e.cleanups = append(e.cleanups, f) }

@@ -11,24 +11,30 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/onceflowtest"
 	"github.com/onceflow/onceflow/outbox"
 )
 
 // A billing consumer behind the inbox: the broker delivers the same order three times, the
 // invoice is written once and its event lands in the outbox once. In a service the
 // subscriber is inboxkafka.NewSubscriber(brokers, "billing", logger) and the pool comes from
-// pgxpool.New(ctx, os.Getenv("DATABASE_URL")).
+// pgxpool.New(ctx, os.Getenv("DATABASE_URL")), on a database migrated with `onceflow migrate up`.
 func Example() {
 	ctx := context.Background()
-	pool, schema, done := exampleDatabase() // a throwaway PostgreSQL with the migrations applied
-	defer done()
+	env, err := onceflowtest.Start(ctx, onceflowtest.Options{NoKafka: true}) // a throwaway, migrated database
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer env.Close()
+	pool := env.Pool
 	if _, err := pool.Exec(ctx, `CREATE TABLE invoice (order_id int PRIMARY KEY)`); err != nil {
 		fmt.Println(err)
 		return
 	}
 
 	metrics := &inbox.Counters{}
-	ib, err := inbox.New(inbox.Config{Pool: pool, Schema: schema, Consumer: "billing", Metrics: metrics})
+	ib, err := inbox.New(inbox.Config{Pool: pool, Consumer: "billing", Metrics: metrics})
 	if err != nil {
 		fmt.Println(err)
 		return
@@ -63,13 +69,14 @@ func Example() {
 	for range 3 {
 		_ = broker.Publish("orders.placed", order.Copy()) // at-least-once delivery: same event id
 	}
+	// Wait until the three deliveries are handled (a test would use a deadline).
 	for s := metrics.Snapshot(); s.Processed+s.Duplicates < 3; s = metrics.Snapshot() {
 		time.Sleep(10 * time.Millisecond)
 	}
 
 	var invoices, events int
 	_ = pool.QueryRow(ctx, `SELECT count(*) FROM invoice`).Scan(&invoices)
-	_ = pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE topic = 'billing.invoiced'`).Scan(&events)
+	_ = pool.QueryRow(ctx, `SELECT count(*) FROM onceflow.outbox WHERE topic = 'billing.invoiced'`).Scan(&events)
 	s := metrics.Snapshot()
 	fmt.Printf("invoices: %d, events in the outbox: %d\n", invoices, events)
 	fmt.Printf("processed: %d, duplicates skipped: %d\n", s.Processed, s.Duplicates)

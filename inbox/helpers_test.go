@@ -3,18 +3,14 @@ package inbox_test
 import (
 	"context"
 	"os"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/inbox"
-	"github.com/onceflow/onceflow/internal/embedded"
 	"github.com/onceflow/onceflow/internal/testdb"
-	"github.com/onceflow/onceflow/migrations"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -127,38 +123,3 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 }
 
 func snapshot(f *fixture) inbox.CountersSnapshot { return f.metrics.Snapshot() }
-
-// exampleDatabase gives the runnable examples a migrated schema: on DATABASE_URL when set,
-// otherwise on a throwaway cluster of their own (examples have no *testing.T for testdb).
-func exampleDatabase() (*pgxpool.Pool, string, func()) {
-	ctx := context.Background()
-	url := os.Getenv("DATABASE_URL")
-	var pg *embedded.Postgres
-	if url == "" {
-		var err error
-		if pg, err = embedded.StartPostgres(ctx, embedded.PostgresOptions{}); err != nil {
-			panic(err)
-		}
-		url = pg.URL()
-	}
-	schema := "inbox_example_" + strings.ReplaceAll(outbox.NewUUID()[24:], "-", "")
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		panic(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		panic(err)
-	}
-	if _, err := migrations.Up(ctx, pool, migrations.Options{Schema: schema}); err != nil {
-		panic(err)
-	}
-	return pool, schema, func() {
-		_, _ = pool.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
-		pool.Close()
-		if pg != nil {
-			_ = pg.Stop()
-		}
-	}
-}

@@ -4,15 +4,12 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"os"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/onceflow/onceflow/internal/embedded"
-	"github.com/onceflow/onceflow/migrations"
+	"github.com/onceflow/onceflow/onceflowtest"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/relay/relaykafka"
@@ -20,16 +17,25 @@ import (
 
 // A business transaction writes an event into the outbox; the relay publishes it to Kafka,
 // where any consumer reads it with the partition key as Kafka key and the event id in the
-// _watermill_message_uuid header.
+// _watermill_message_uuid header. In a service the pool comes from pgxpool.New on
+// DATABASE_URL and the brokers from KAFKA_BROKERS; the topic must exist before the relay
+// sends to it (the relay does not create topics).
 func Example() {
 	ctx := context.Background()
-	pool, brokers, cleanup := exampleInfra(ctx) // Postgres with the migrated schema, and Kafka
-	defer cleanup()
+	env, err := onceflowtest.Start(ctx, onceflowtest.Options{
+		Kafka: onceflowtest.KafkaOptions{Topics: []string{"orders.placed"}},
+	}) // a migrated database and an in-process Kafka with the topic created
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	defer env.Close()
+	pool, brokers := env.Pool, env.Brokers
 
 	// 1. In the service: the event commits with the business change, or not at all.
-	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+	evt := outbox.SetPartitionKey(outbox.NewMessage([]byte(`{"order_id":42}`)), "order-42")
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		// ... UPDATE orders SET status = 'placed' WHERE id = 42 ...
-		evt := outbox.SetPartitionKey(outbox.NewMessage([]byte(`{"order_id":42}`)), "order-42")
 		return outbox.WriteTx(ctx, tx, "orders.placed", evt)
 	})
 	if err != nil {
@@ -50,90 +56,36 @@ func Example() {
 		return
 	}
 	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
 	done := make(chan error, 1)
 	go func() { done <- r.Run(runCtx) }()
 
-	// 3. Anywhere: a plain Kafka consumer receives the event.
-	rec := consumeOne(ctx, brokers, "orders.placed")
+	// 3. Anywhere: a plain Kafka consumer receives the event, with its id from the outbox.
+	rec, err := consumeOne(ctx, brokers, "orders.placed")
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
 	fmt.Println(rec.Topic, string(rec.Key), string(rec.Value))
+	for _, h := range rec.Headers {
+		if h.Key == relaykafka.UUIDHeader {
+			fmt.Println("same event id:", string(h.Value) == evt.UUID)
+		}
+	}
 	stop()
 	fmt.Println("relay stopped:", <-done)
 	// Output:
 	// orders.placed order-42 {"order_id":42}
+	// same event id: true
 	// relay stopped: <nil>
 }
 
-// exampleInfra starts a throwaway Postgres (with DATABASE_URL: a throwaway database on that
-// server) with the default schema migrated, and an in-process Kafka.
-func exampleInfra(ctx context.Context) (*pgxpool.Pool, []string, func()) {
-	var stops []func()
-	url := os.Getenv("DATABASE_URL")
-	if url == "" {
-		pg, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{})
-		if err != nil {
-			panic(err)
-		}
-		stops = append(stops, func() { _ = pg.Stop() })
-		url = pg.URL()
-	} else {
-		admin, err := pgx.Connect(ctx, url)
-		if err != nil {
-			panic(err)
-		}
-		name := fmt.Sprintf("onceflow_example_%d", time.Now().UnixNano())
-		if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
-			panic(err)
-		}
-		stops = append(stops, func() {
-			_, _ = admin.Exec(ctx, "DROP DATABASE "+name+" WITH (FORCE)")
-			_ = admin.Close(ctx)
-		})
-		cfg, err := pgx.ParseConfig(url)
-		if err != nil {
-			panic(err)
-		}
-		cfg.Database = name
-		url = cfg.ConnString()
-		pcfg, err := pgxpool.ParseConfig(url)
-		if err != nil {
-			panic(err)
-		}
-		pcfg.ConnConfig.Database = name
-		pool, err := pgxpool.NewWithConfig(ctx, pcfg)
-		if err != nil {
-			panic(err)
-		}
-		return finishInfra(ctx, pool, stops)
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		panic(err)
-	}
-	return finishInfra(ctx, pool, stops)
-}
-
-func finishInfra(ctx context.Context, pool *pgxpool.Pool, stops []func()) (*pgxpool.Pool, []string, func()) {
-	stops = append(stops, pool.Close)
-	if _, err := migrations.Up(ctx, pool, migrations.Options{}); err != nil {
-		panic(err)
-	}
-	k, err := embedded.StartKafka(1)
-	if err != nil {
-		panic(err)
-	}
-	stops = append(stops, k.Stop)
-	return pool, k.Brokers(), func() {
-		for i := len(stops) - 1; i >= 0; i-- {
-			stops[i]()
-		}
-	}
-}
-
-func consumeOne(ctx context.Context, brokers []string, topic string) *kgo.Record {
+// consumeOne reads the first record of topic with a plain franz-go consumer.
+func consumeOne(ctx context.Context, brokers []string, topic string) (*kgo.Record, error) {
 	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topic),
-		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), kgo.MetadataMinAge(100*time.Millisecond))
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
 	if err != nil {
-		panic(err)
+		return nil, err
 	}
 	defer cl.Close()
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
@@ -141,10 +93,10 @@ func consumeOne(ctx context.Context, brokers []string, topic string) *kgo.Record
 	for {
 		fs := cl.PollFetches(ctx)
 		if err := ctx.Err(); err != nil {
-			panic(err)
+			return nil, err
 		}
 		if recs := fs.Records(); len(recs) > 0 {
-			return recs[0]
+			return recs[0], nil
 		}
 	}
 }
