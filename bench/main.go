@@ -89,6 +89,7 @@ var scenarios = []scenario{
 	{"write_concurrent", benchWriteConcurrent},
 	{"drain", benchDrain},
 	{"drain_growth", benchDrainGrowth},
+	{"drain_churn", benchDrainChurn},
 	{"relay_skip", benchRelaySkip},
 	{"relay_rss", benchRelayRSS},
 	{"latency", benchLatency},
