@@ -139,12 +139,11 @@ later moves keys to other partitions.`)
 	if *timeout <= 0 {
 		problems = append(problems, fmt.Sprintf("--timeout %s: use a positive duration", *timeout))
 	}
-	if len(problems) > 0 { // before connecting: a bad flag must not wait for the brokers
-		_, _, more := kafka.adminClient()
-		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(append(problems, more...), "\n  - "))
-	}
-	adm, cfg, problems := kafka.adminClient()
-	if len(problems) > 0 {
+	adm, cfg, kproblems := kafka.adminClient()
+	if problems = append(problems, kproblems...); len(problems) > 0 {
+		if adm != nil {
+			adm.Close()
+		}
 		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
 	}
 	defer adm.Close()
@@ -241,12 +240,11 @@ and replication factor. A named topic that does not exist is listed as missing (
 	if *timeout <= 0 {
 		problems = append(problems, fmt.Sprintf("--timeout %s: use a positive duration", *timeout))
 	}
-	if len(problems) > 0 { // before connecting: a bad flag must not wait for the brokers
-		_, _, more := kafka.adminClient()
-		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(append(problems, more...), "\n  - "))
-	}
-	adm, cfg, problems := kafka.adminClient()
-	if len(problems) > 0 {
+	adm, cfg, kproblems := kafka.adminClient()
+	if problems = append(problems, kproblems...); len(problems) > 0 {
+		if adm != nil {
+			adm.Close()
+		}
 		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
 	}
 	defer adm.Close()
