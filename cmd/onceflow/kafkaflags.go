@@ -106,3 +106,13 @@ func readPasswordFile(path string) (string, error) {
 	}
 	return pw, nil
 }
+
+// plainWithoutTLS reports SASL PLAIN over a plaintext connection, which sends the password
+// as it is: allowed (a private network may be trusted), but worth a warning.
+func (k *kafkaFlags) plainWithoutTLS() bool {
+	tlsOn := k.tls || k.caFile != "" || k.certFile != "" || k.keyFile != "" || k.serverName != ""
+	return strings.EqualFold(k.mechanism, relaykafka.SASLPlain) && !tlsOn
+}
+
+// plainWithoutTLSWarning is what the commands say when plainWithoutTLS.
+const plainWithoutTLSWarning = "SASL PLAIN without TLS sends the Kafka password unencrypted: turn TLS on (--kafka-tls) or use SCRAM-SHA-512"

@@ -163,6 +163,9 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
 	}
 	defer func() { _ = sink.Close() }()
+	if kafka.plainWithoutTLS() {
+		logger.Warn(plainWithoutTLSWarning)
+	}
 
 	// No ping: Run waits for the database (with /healthz unhealthy) when it is not up yet.
 	pool, err := db.open(ctx, "onceflow-relay")

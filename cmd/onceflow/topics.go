@@ -147,6 +147,9 @@ later moves keys to other partitions.`)
 		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
 	}
 	defer adm.Close()
+	if kafka.plainWithoutTLS() {
+		fmt.Fprintln(c.stderr, "warning: "+plainWithoutTLSWarning)
+	}
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
 
@@ -248,6 +251,9 @@ and replication factor. A named topic that does not exist is listed as missing (
 		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
 	}
 	defer adm.Close()
+	if kafka.plainWithoutTLS() {
+		fmt.Fprintln(c.stderr, "warning: "+plainWithoutTLSWarning)
+	}
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
 	details, err := adm.ListTopics(ctx, topics...)

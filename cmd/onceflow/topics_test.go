@@ -122,6 +122,17 @@ func TestTopicsOverSecuredKafka(t *testing.T) {
 	}
 }
 
+// SASL PLAIN without TLS works (a trusted network) but is warned about.
+func TestTopicsWarnsAboutPlainWithoutTLS(t *testing.T) {
+	t.Parallel()
+	k := kafkatest.Fake(t, 1, kfake.EnableSASL(), kfake.Superuser("PLAIN", "relay", kafkaSecret))
+	env := map[string]string{"KAFKA_BROKERS": strings.Join(k.Brokers(), ","), "ONCEFLOW_KAFKA_SASL_PASSWORD": kafkaSecret}
+	r := runCmd(context.Background(), env, "topics", "create", "--kafka-sasl-mechanism", "plain", "--kafka-sasl-user", "relay", "plain").expect(t, "create over SASL PLAIN", 0)
+	if !strings.Contains(r.stderr, "sends the Kafka password unencrypted") {
+		t.Errorf("no warning about PLAIN without TLS:\n%s", r.stderr)
+	}
+}
+
 func TestTopicsBadUsage(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

@@ -229,6 +229,7 @@ type ConnectionError struct {
 	Err error
 }
 
+// Error is the hint followed by franz-go's error.
 func (e *ConnectionError) Error() string { return e.Hint + ": " + e.Err.Error() }
 
 // Unwrap returns franz-go's error.
@@ -254,7 +255,7 @@ func (cfg Config) Explain(err error) error {
 	case errors.Is(err, kerr.SaslAuthenticationFailed):
 		return &ConnectionError{Hint: "Kafka refused the SASL credentials (" + who + "): check the user (--kafka-sasl-user) and the password (ONCEFLOW_KAFKA_SASL_PASSWORD or --kafka-sasl-password-file)", Err: err}
 	case errors.Is(err, kerr.UnsupportedSaslMechanism), errors.Is(err, kerr.IllegalSaslState):
-		return &ConnectionError{Hint: "Kafka does not accept SASL mechanism " + strings.ToUpper(cfg.SASL.Mechanism) + ": use one the listener enables (--kafka-sasl-mechanism)", Err: err}
+		return &ConnectionError{Hint: "Kafka does not accept SASL mechanism " + strings.ToUpper(cfg.SASL.Mechanism) + " on this listener: use one it enables (--kafka-sasl-mechanism), or none if it has no SASL", Err: err}
 	case errors.As(err, &recErr):
 		return &ConnectionError{Hint: "the broker does not speak TLS on this port: turn TLS off, or give the address of its TLS listener (--kafka-brokers)", Err: err}
 	case errors.As(err, &certErr), errors.As(err, &hostErr), errors.As(err, &authErr):
@@ -264,7 +265,7 @@ func (cfg Config) Explain(err error) error {
 		// certificate, most of the time.
 		return &ConnectionError{Hint: "the broker refused the TLS handshake: check whether it requires a client certificate (--kafka-tls-cert-file, --kafka-tls-key-file) and trusts its CA", Err: err}
 	case cfg.SASL.Mechanism != "" && closedByPeer(err):
-		return &ConnectionError{Hint: "Kafka closed the connection during SASL authentication (" + who + "): most likely a wrong user or password (ONCEFLOW_KAFKA_SASL_PASSWORD or --kafka-sasl-password-file), or a listener that expects TLS (--kafka-tls)", Err: err}
+		return &ConnectionError{Hint: "Kafka closed the connection during SASL authentication (" + who + "): most likely a wrong user or password (ONCEFLOW_KAFKA_SASL_PASSWORD or --kafka-sasl-password-file); else a listener that expects TLS (--kafka-tls) or has no SASL", Err: err}
 	case cfg.TLS.enabled() && closedByPeer(err):
 		return &ConnectionError{Hint: "Kafka closed the connection: check that the address is a TLS listener (--kafka-brokers) and whether it expects SASL (--kafka-sasl-mechanism)", Err: err}
 	case cfg.TLS.enabled() && timedOut(err):

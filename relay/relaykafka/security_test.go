@@ -95,17 +95,24 @@ func TestSinkDeliversOverSASL(t *testing.T) {
 func TestSASLWrongPasswordIsExplained(t *testing.T) {
 	t.Parallel()
 	k := kafkatest.Fake(t, 1, kfake.EnableSASL(), kfake.Superuser(relaykafka.SASLScramSHA256, "relay", "the-right-one"))
+	plain := kafkatest.Fake(t, 1)
 	for _, c := range []struct {
-		name string
-		sasl relaykafka.SASLConfig
-		want string
+		name    string
+		brokers []string
+		sasl    relaykafka.SASLConfig
+		want    string
 	}{
-		{"wrong password", relaykafka.SASLConfig{Mechanism: relaykafka.SASLScramSHA256, User: "relay", Password: testPassword}, "SASL authentication"},
-		{"unknown user", relaykafka.SASLConfig{Mechanism: relaykafka.SASLScramSHA512, User: "nobody", Password: testPassword}, "wrong user or password"},
-		{"no SASL", relaykafka.SASLConfig{}, "--kafka-sasl-mechanism"},
+		{"SASL to a listener without it", plain.Brokers(), relaykafka.SASLConfig{Mechanism: relaykafka.SASLPlain, User: "relay", Password: testPassword}, "has no SASL"},
+		{"wrong password", nil, relaykafka.SASLConfig{Mechanism: relaykafka.SASLScramSHA256, User: "relay", Password: testPassword}, "SASL authentication"},
+		{"unknown user", nil, relaykafka.SASLConfig{Mechanism: relaykafka.SASLScramSHA512, User: "nobody", Password: testPassword}, "wrong user or password"},
+		{"no SASL", nil, relaykafka.SASLConfig{}, "--kafka-sasl-mechanism"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: k.Brokers(), SASL: c.sasl})
+			brokers := c.brokers
+			if brokers == nil {
+				brokers = k.Brokers()
+			}
+			sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: brokers, SASL: c.sasl})
 			if err != nil {
 				t.Fatal(err)
 			}
