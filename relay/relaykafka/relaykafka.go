@@ -67,8 +67,9 @@ type Config struct {
 	// producer and sarama.
 	DisableAutoTopicCreation bool
 	// Opts are extra franz-go client options appended last, e.g. a SASL mechanism the fields
-	// above do not offer (kgo.SASL with OAUTHBEARER or AWS_MSK_IAM) or kgo.Dialer. Options that change producing semantics (idempotence, acks, manual
-	// flushing) must not be overridden: the order guarantee depends on them.
+	// above do not offer (kgo.SASL with OAUTHBEARER or AWS_MSK_IAM) or kgo.Dialer. Options
+	// that change producing semantics (idempotence, acks, manual flushing) must not be
+	// overridden: the order guarantee depends on them.
 	Opts []kgo.Opt
 }
 
@@ -150,7 +151,7 @@ func NewSink(cfg Config) (*Sink, error) {
 }
 
 // Ping checks that at least one broker answers, TLS handshake and SASL authentication
-// included. Its error is a *ConnectionError that says which settings to check.
+// included. Its error wraps a *ConnectionError that says which settings to check.
 func (s *Sink) Ping(ctx context.Context) error {
 	if err := s.cl.Ping(ctx); err != nil {
 		return fmt.Errorf("relaykafka: %w", s.conn.Explain(err))
