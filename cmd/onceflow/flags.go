@@ -213,10 +213,24 @@ func (d *dbFlags) migrationOptions() migrations.Options {
 	return migrations.Options{Schema: d.schema, Logger: slog.New(slog.NewTextHandler(d.c.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 }
 
-// secrets are the connection strings an invocation has seen (DATABASE_URL, --database-url).
+// secrets are the connection strings an invocation has seen (DATABASE_URL, --database-url)
+// and its other secrets (the Kafka SASL password).
 type secrets struct {
-	mu   sync.Mutex
-	dsns []string
+	mu       sync.Mutex
+	dsns     []string
+	literals []string
+}
+
+// addLiteral remembers a secret that is masked wherever it appears. Like the passwords of
+// connection strings, one shorter than 3 characters is not: masking it everywhere would
+// garble the text while hiding little.
+func (s *secrets) addLiteral(secret string) {
+	if s == nil || len(secret) < 3 {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.literals = append(s.literals, secret)
 }
 
 // add remembers dsn. A nil *secrets (a cli built by hand in a test) remembers nothing.
@@ -232,6 +246,9 @@ func (s *secrets) add(dsn string) {
 func (s *secrets) mask(text string) string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	for _, l := range s.literals {
+		text = strings.ReplaceAll(text, l, "xxxxx")
+	}
 	if len(s.dsns) == 0 {
 		return pgsql.RedactDSN(text)
 	}

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -22,6 +24,7 @@ var everyHelp = [][]string{
 	{"outbox", "-h"}, {"outbox", "--help"},
 	{"outbox", "inspect", "-h"}, {"outbox", "parked", "-h"}, {"outbox", "replay", "--help"},
 	{"cleanup", "-h"}, {"cleanup", "--help"},
+	{"topics", "-h"}, {"topics", "--help"}, {"topics", "create", "-h"}, {"topics", "list", "--help"},
 }
 
 // No command prints the database password: not in usage text (the flag default comes from
@@ -85,6 +88,57 @@ func TestNoPasswordInOutput(t *testing.T) {
 	}
 }
 
+// No command prints the Kafka SASL password, from the environment or from a file: not in
+// usage text, not after a mistake, not in the errors of a cluster that refuses it, and not
+// when it reaches a message by another path (typed as the user name).
+func TestNoKafkaPasswordInOutput(t *testing.T) {
+	t.Parallel()
+	s := newSecuredKafka(t) // wants kafkaSecret; every attempt below fails
+	var cmds [][]string
+	cmds = append(cmds, everyHelp...)
+	cmds = append(cmds, [][]string{
+		{"relay", "--nope"}, {"relay", "--batch-size", "x"}, {"relay", "--kafka-sasl-mechanism", "nope"},
+		{"relay", "--kafka-sasl-password", "x"}, {"relay", "--kafka-brokers", s.brokers, "--kafka-sasl-mechanism", "PLAIN", "--kafka-sasl-user", "relay"},
+		{"topics", "create", "--nope"}, {"topics", "create"}, {"topics", "list", "--kafka-sasl-mechanism", "SCRAM-SHA-256"},
+		{"topics", "list", "--timeout", "3s", "--kafka-brokers", s.brokers, "--kafka-tls-ca-file", s.pki.CAFile, "--kafka-tls-server-name", s.pki.ServerName,
+			"--kafka-tls-cert-file", s.pki.ClientCertFile, "--kafka-tls-key-file", s.pki.ClientKeyFile, "--kafka-sasl-mechanism", "SCRAM-SHA-512"},
+	}...)
+	for _, args := range cmds {
+		for _, via := range []string{"env", "file"} {
+			t.Run(strings.Join(args, "_")+"/"+via, func(t *testing.T) {
+				t.Parallel()
+				secret := "wrong-" + kafkaSecret
+				// A database that is down: the relay gets as far as pinging Kafka, then waits.
+				env := map[string]string{"DATABASE_URL": "postgres://u@127.0.0.1:1/db?sslmode=disable"}
+				if via == "env" {
+					env["ONCEFLOW_KAFKA_SASL_PASSWORD"] = secret
+				} else {
+					path := filepath.Join(t.TempDir(), "pw")
+					if err := os.WriteFile(path, []byte(secret), 0o600); err != nil {
+						t.Fatal(err)
+					}
+					env["ONCEFLOW_KAFKA_SASL_PASSWORD_FILE"] = path
+				}
+				full := slices.Clone(args)
+				if slices.Contains(args, "--kafka-brokers") {
+					// The password typed as the user name too: the errors name the user.
+					full = append(full, "--kafka-sasl-user", secret)
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 4*time.Second)
+				defer cancel()
+				r := runCmd(ctx, env, full...)
+				out := r.stdout + r.stderr
+				if strings.Contains(out, secret) {
+					t.Errorf("%q printed the password: %s", full, firstLineWith(out, secret))
+				}
+				if len(full) > len(args) && !strings.Contains(out, `user \"xxxxx\"`) && !strings.Contains(out, `user "xxxxx"`) {
+					t.Errorf("%q: no masked user name in the output, so this case tests nothing:\n%s", full, out)
+				}
+			})
+		}
+	}
+}
+
 func firstLineWith(s, sub string) string {
 	for _, l := range strings.Split(s, "\n") {
 		if strings.Contains(l, sub) {
@@ -138,8 +192,8 @@ func TestUsageNamesEveryEnvironmentVariable(t *testing.T) {
 	t.Parallel()
 	bracket := regexp.MustCompile(`\[([A-Z][A-Z0-9_]+)\]`)
 	for _, args := range everyHelp {
-		if len(args) < 2 || args[0] == "outbox" && len(args) == 2 {
-			continue // the top level and the outbox action list have no flags
+		if len(args) < 2 || (args[0] == "outbox" || args[0] == "topics") && len(args) == 2 {
+			continue // the top level and the action lists have no flags
 		}
 		var mu sync.Mutex
 		read := map[string]bool{}
@@ -157,6 +211,10 @@ func TestUsageNamesEveryEnvironmentVariable(t *testing.T) {
 		shown := map[string]bool{}
 		for _, m := range bracket.FindAllStringSubmatch(usage, -1) {
 			shown[m[1]] = true
+		}
+		if !strings.Contains(usage, "-database-url") {
+			// Read by run for every command, to mask its password, not as a setting.
+			delete(read, "DATABASE_URL")
 		}
 		for name := range read {
 			if !shown[name] {

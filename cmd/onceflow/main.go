@@ -31,6 +31,7 @@ var commands = []command{
 	{"migrate", "apply, list or print the schema migrations (up|status|print)", (*cli).runMigrate},
 	{"relay", "publish the outbox to Kafka (run one or more)", (*cli).runRelay},
 	{"status", "is anything stuck? relays, backlog, parked rows, retention, sagas (exit 4 when stuck)", (*cli).runStatus},
+	{"topics", "create the Kafka topics the outbox publishes to, list them (create|list)", (*cli).runTopics},
 	{"outbox", "inspect pending rows, find one event, list parked rows, replay them (inspect|find|parked|replay)", (*cli).runOutbox},
 	{"cleanup", "delete expired inbox dedup rows, HTTP idempotency records and finished sagas in bounded batches (once, or on a schedule)", (*cli).runCleanup},
 	{"saga", "list sagas, show one, resume a stuck one, compensate a running one (list|show|retry|compensate)", (*cli).runSaga},

@@ -80,8 +80,9 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	fs := c.newFlagSet("relay", relaySynopsis)
 	db := c.addDBFlags(fs)
 	env := envParser{getenv: c.getenv}
+	kafka := c.addKafkaFlags(fs, &env, relaykafka.DefaultClientID)
 	var (
-		brokers         = fs.String("kafka-brokers", c.getenv("KAFKA_BROKERS"), "comma-separated Kafka brokers, host:port [KAFKA_BROKERS]")
+		compression     = fs.String("kafka-compression", c.envOr("ONCEFLOW_KAFKA_COMPRESSION", relaykafka.DefaultCompression), "codec of record batches: none, gzip, snappy, lz4 or zstd; every consumer must decode it [ONCEFLOW_KAFKA_COMPRESSION]")
 		batchSize       = fs.Int("batch-size", env.int("ONCEFLOW_RELAY_BATCH_SIZE", relay.DefaultBatchSize), "most rows claimed and sent to Kafka per round trip [ONCEFLOW_RELAY_BATCH_SIZE]")
 		maxBatchBytes   = fs.Int64("max-batch-bytes", int64(env.int("ONCEFLOW_RELAY_MAX_BATCH_BYTES", relay.DefaultMaxBatchBytes)), "most payload, key and metadata bytes claimed in one batch; bounds the relay's memory (about twice this plus ~50 MiB) [ONCEFLOW_RELAY_MAX_BATCH_BYTES]")
 		pollInterval    = fs.Duration("poll-interval", env.duration("ONCEFLOW_RELAY_POLL_INTERVAL", relay.DefaultPollInterval), "longest an idle (sleeping) relay waits before looking for rows when no NOTIFY arrived [ONCEFLOW_RELAY_POLL_INTERVAL]")
@@ -116,12 +117,8 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	if *logFormat != "text" && *logFormat != "json" {
 		problems = append(problems, fmt.Sprintf("--log-format %q: use text or json", *logFormat))
 	}
-	var brokerList []string
-	for _, b := range strings.Split(*brokers, ",") {
-		if b = strings.TrimSpace(b); b != "" {
-			brokerList = append(brokerList, b)
-		}
-	}
+	kcfg, kproblems := kafka.config()
+	problems = append(problems, kproblems...)
 	hopts := &slog.HandlerOptions{Level: level}
 	var logger *slog.Logger
 	if *logFormat == "json" {
@@ -156,7 +153,7 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	if metrics != nil {
 		cfg.Metrics = metrics
 	}
-	kcfg := relaykafka.Config{Brokers: brokerList, MaxMessageBytes: *maxMessageBytes}
+	kcfg.MaxMessageBytes, kcfg.Compression = *maxMessageBytes, *compression
 	// Validate both configurations now, without connecting, so every mistake is reported at once.
 	problems = appendProblems(problems, cfg.Validate())
 	sink, err := relaykafka.NewSink(kcfg)
@@ -168,6 +165,9 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
 	}
 	defer func() { _ = sink.Close() }()
+	if kafka.plainWithoutTLS() {
+		logger.Warn(plainWithoutTLSWarning)
+	}
 
 	// No ping: Run waits for the database (with /healthz unhealthy) when it is not up yet.
 	pool, err := db.open(ctx, "onceflow-relay")
@@ -188,7 +188,8 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	}
 	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	if err := sink.Ping(pctx); err != nil {
-		logger.Warn("Kafka does not answer yet; rows stay in the outbox until it does (check --kafka-brokers)", "brokers", brokerList, "err", err)
+		// The error says what to check: brokers, TLS or SASL settings.
+		logger.Warn("Kafka does not answer yet; rows stay in the outbox until it does", "brokers", kcfg.Brokers, "err", err)
 	}
 	cancel()
 

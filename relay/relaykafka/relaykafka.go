@@ -17,10 +17,8 @@ package relaykafka
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
-	"slices"
 	"sync"
 	"time"
 
@@ -69,8 +67,19 @@ func retryBackoff(fails int) time.Duration {
 type Config struct {
 	// Brokers are the seed brokers, host:port.
 	Brokers []string
-	// ClientID names the client in broker logs and quotas. Default "onceflow-relay".
+	// ClientID names the client in broker logs, quotas and ACL audit logs. Default
+	// DefaultClientID ("onceflow-relay").
 	ClientID string
+	// TLS connects to the brokers over TLS (CA, client certificate, server name). Default:
+	// plaintext.
+	TLS TLSConfig
+	// SASL authenticates to the brokers (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512). Default: none.
+	SASL SASLConfig
+	// Compression is the codec of record batches: "none", "gzip", "snappy", "lz4" or "zstd".
+	// A batch goes out compressed only when that makes it smaller. Every consumer of the
+	// topics must decode the codec (watermill-kafka's sarama does all five). Default
+	// DefaultCompression ("snappy").
+	Compression string
 	// MaxMessageBytes is the largest record (key, value and headers, encoded) the sink sends;
 	// larger rows are refused before sending with an undeliverable error (ErrMessageTooLarge)
 	// and parked after the attempt limit, instead of failing alone inside the producer while
@@ -84,9 +93,10 @@ type Config struct {
 	// topics. Default false: the broker's auto.create.topics.enable decides, as with the Java
 	// producer and sarama.
 	DisableAutoTopicCreation bool
-	// Opts are extra franz-go client options appended last, e.g. kgo.DialTLSConfig or
-	// kgo.SASL. Options that change producing semantics (idempotence, acks, manual
-	// flushing) must not be overridden: the order guarantee depends on them.
+	// Opts are extra franz-go client options appended last, e.g. a SASL mechanism the fields
+	// above do not offer (kgo.SASL with OAUTHBEARER or AWS_MSK_IAM) or kgo.Dialer. Options
+	// that change producing semantics (idempotence, acks, manual flushing) must not be
+	// overridden: the order guarantee depends on them.
 	Opts []kgo.Opt
 }
 
@@ -110,6 +120,7 @@ type Config struct {
 type Sink struct {
 	cl       *kgo.Client
 	maxBytes int
+	conn     Config // how the client connects, without the password: for Ping's errors
 }
 
 var _ relay.Sink = (*Sink)(nil)
@@ -117,18 +128,16 @@ var _ relay.Sink = (*Sink)(nil)
 // NewSink validates cfg, reporting every problem at once as a *relay.ConfigError, and creates
 // the producer client. It does not contact the brokers; use Ping to check them.
 func NewSink(cfg Config) (*Sink, error) {
-	if cfg.ClientID == "" {
-		cfg.ClientID = "onceflow-relay"
-	}
 	if cfg.MaxMessageBytes == 0 {
 		cfg.MaxMessageBytes = DefaultMaxMessageBytes
 	}
 	if cfg.DeliveryTimeout == 0 {
 		cfg.DeliveryTimeout = DefaultDeliveryTimeout
 	}
-	var problems []error
-	if len(cfg.Brokers) == 0 || slices.Contains(cfg.Brokers, "") {
-		problems = append(problems, errors.New("no Kafka brokers: set Brokers (--kafka-brokers / KAFKA_BROKERS), e.g. kafka-1:9092,kafka-2:9092"))
+	opts, problems := cfg.connection() // brokers, client id, TLS, SASL
+	codecs, err := compressionCodec(cfg.Compression)
+	if err != nil {
+		problems = append(problems, err)
 	}
 	if cfg.MaxMessageBytes < 512 || cfg.MaxMessageBytes > 1<<30 {
 		problems = append(problems, fmt.Errorf("MaxMessageBytes is %d; use 512 to %d (0 means the default %d)", cfg.MaxMessageBytes, 1<<30, DefaultMaxMessageBytes))
@@ -139,16 +148,15 @@ func NewSink(cfg Config) (*Sink, error) {
 	if len(problems) > 0 {
 		return nil, &relay.ConfigError{Scope: "relaykafka", Problems: problems}
 	}
-	opts := []kgo.Opt{
-		kgo.SeedBrokers(cfg.Brokers...),
-		kgo.ClientID(cfg.ClientID),
+	opts = append(opts,
+		kgo.ProducerBatchCompression(codecs...),
 		// Idempotent writes are franz-go's default; acks=all is what they require.
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		// Every record of a batch is buffered before anything is sent, so a failure fails the
 		// whole tail of its partition (see Sink) rather than racing with records still being
 		// added.
 		kgo.ManualFlushing(),
-		kgo.MaxBufferedRecords(relay.MaxBatchSize + 1),
+		kgo.MaxBufferedRecords(relay.MaxBatchSize+1),
 		kgo.ProducerBatchMaxBytes(int32(cfg.MaxMessageBytes)),
 		kgo.RecordDeliveryTimeout(cfg.DeliveryTimeout),
 		// Lets a cancelled batch (shutdown, lost lease) return promptly even with a request in
@@ -158,7 +166,7 @@ func NewSink(cfg Config) (*Sink, error) {
 		kgo.AllowIdempotentProduceCancellation(),
 		kgo.MetadataMinAge(MetadataMinAge),
 		kgo.RetryBackoffFn(retryBackoff),
-	}
+	)
 	if !cfg.DisableAutoTopicCreation {
 		opts = append(opts, kgo.AllowAutoTopicCreation())
 	}
@@ -167,13 +175,15 @@ func NewSink(cfg Config) (*Sink, error) {
 	if err != nil {
 		return nil, fmt.Errorf("relaykafka: create Kafka client: %w", err)
 	}
-	return &Sink{cl: cl, maxBytes: cfg.MaxMessageBytes}, nil
+	cfg.SASL.Password = ""
+	return &Sink{cl: cl, maxBytes: cfg.MaxMessageBytes, conn: cfg}, nil
 }
 
-// Ping checks that at least one broker answers.
+// Ping checks that at least one broker answers, TLS handshake and SASL authentication
+// included. Its error wraps a *ConnectionError that says which settings to check.
 func (s *Sink) Ping(ctx context.Context) error {
 	if err := s.cl.Ping(ctx); err != nil {
-		return fmt.Errorf("relaykafka: Kafka unreachable: %w", err)
+		return fmt.Errorf("relaykafka: %w", s.conn.Explain(err))
 	}
 	return nil
 }
