@@ -11,7 +11,7 @@
 //
 // With nothing configured it starts a throwaway PostgreSQL and an in-process Kafka (kfake);
 // with DATABASE_URL / KAFKA_BROKERS set it uses those servers (in a schema and topic of its
-// own). `make demo` builds the onceflow binary and runs this.
+// own). `make demo-core` builds the onceflow binary and runs this.
 package main
 
 import (
@@ -67,7 +67,7 @@ type options struct {
 
 func main() {
 	var o options
-	flag.StringVar(&o.binary, "onceflow", "bin/onceflow", "path to the onceflow binary (make demo builds it)")
+	flag.StringVar(&o.binary, "onceflow", "bin/onceflow", "path to the onceflow binary (make demo-core builds it)")
 	flag.IntVar(&o.events, "events", 6000, "deposit events to write")
 	flag.IntVar(&o.accounts, "accounts", 50, "accounts (partition keys)")
 	flag.IntVar(&o.producers, "producers", 4, "concurrent producer goroutines")
@@ -102,7 +102,7 @@ func run(ctx context.Context, o options) (bool, error) {
 		return false, err
 	}
 	if _, err := os.Stat(bin); err != nil {
-		return false, fmt.Errorf("onceflow binary not found at %s: run `make demo` (it builds it) or pass -onceflow", bin)
+		return false, fmt.Errorf("onceflow binary not found at %s: run `make demo-core` (it builds it) or pass -onceflow", bin)
 	}
 
 	// Infrastructure: embedded unless configured.

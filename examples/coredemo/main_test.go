@@ -13,7 +13,7 @@ import (
 // TestMain fails the run when the demo leaves goroutines behind.
 func TestMain(m *testing.M) { testutil.Main(m) }
 
-// TestDemo runs a shortened `make demo` so the README's main command cannot rot: a real
+// TestDemo runs a shortened `make demo-core`: a real
 // onceflow binary killed mid-stream, replayed duplicates, and every invariant checked.
 func TestDemo(t *testing.T) {
 	bin := filepath.Join(t.TempDir(), "onceflow")
