@@ -63,7 +63,7 @@ func NewSubscriber(brokers []string, group, instance string, log *slog.Logger) (
 	sc := cfg.OverwriteSaramaConfig
 	sc.Version = sarama.V2_8_0_0 // static membership needs protocol 2.3 or newer
 	sc.Consumer.Group.InstanceId = instance
-	return kafka.NewSubscriber(cfg, watermill.NewSlogLogger(log))
+	return kafka.NewSubscriber(cfg, watermillLogger(log))
 }
 
 // RunRelay publishes the schema's outbox to Kafka from inside the service until ctx ends.
@@ -86,7 +86,7 @@ func RunRelay(ctx context.Context, pool *pgxpool.Pool, schema string, brokers []
 // a dedup key, are not: inbox.ShouldRetry) around Recoverer (a panic fails the message instead
 // of the process). After the retries a message is nacked and watermill-kafka redelivers it.
 func NewRouter(log *slog.Logger) (*message.Router, error) {
-	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NewSlogLogger(log))
+	r, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermillLogger(log))
 	if err != nil {
 		return nil, err
 	}
@@ -113,4 +113,10 @@ func WaitRunning(ctx context.Context, r *message.Router) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// watermillLogger logs Watermill's per-handler and per-subscriber start and stop lines at
+// debug, so that the service's own info lines stand out.
+func watermillLogger(log *slog.Logger) watermill.LoggerAdapter {
+	return watermill.NewSlogLoggerWithLevelMapping(log, map[slog.Level]slog.Level{slog.LevelInfo: slog.LevelDebug})
 }
