@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"log/slog"
@@ -109,6 +110,10 @@ func (s *service) getOrder(w http.ResponseWriter, r *http.Request) {
 // serverError answers 500: the middleware rolls the transaction back and stores nothing, so a
 // retry with the same key runs the handler again.
 func serverError(w http.ResponseWriter, err error) {
-	slog.Error("orders: request failed", "err", err)
+	if errors.Is(err, context.Canceled) {
+		slog.Info("orders: the client went away; nothing stored", "err", err)
+	} else {
+		slog.Error("orders: request failed", "err", err)
+	}
 	platform.Problem(w, http.StatusInternalServerError, "internal", "internal error; retrying with the same Idempotency-Key is safe", nil)
 }

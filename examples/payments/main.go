@@ -240,6 +240,10 @@ func customerID(r *http.Request) (string, error) {
 }
 
 func serverError(w http.ResponseWriter, err error) {
-	slog.Error("payments: request failed", "err", err)
+	if errors.Is(err, context.Canceled) {
+		slog.Info("payments: the client went away; nothing stored", "err", err)
+	} else {
+		slog.Error("payments: request failed", "err", err)
+	}
 	platform.Problem(w, http.StatusInternalServerError, "internal", "internal error; retrying with the same Idempotency-Key is safe", nil)
 }

@@ -124,7 +124,10 @@ func run(ctx context.Context, f *platform.Flags, log *slog.Logger) error {
 func apply(msg *message.Message) error {
 	var ev checkout.OrderEvent
 	if err := json.Unmarshal(msg.Payload, &ev); err != nil {
-		return fmt.Errorf("%w: not an order event: %v", inbox.ErrNoKey, err) // poison: no retry can fix it
+		// No retry can fix it: record it as seen and move on (a real service would park it
+		// in a poison queue: Watermill's middleware.PoisonQueue).
+		slog.Warn("projection: not an order event; dropped", "message_uuid", msg.UUID, "err", err)
+		return nil
 	}
 	ctx := msg.Context()
 	tx := outbox.MustTx(ctx)

@@ -1,0 +1,522 @@
+// Command demo runs the example shop end to end and tries to break it: `make demo`.
+//
+//	customers ──POST /orders + Idempotency-Key──▶ orders ──checkout saga──▶ inventory, payments
+//	orders ──OrderCreated/Confirmed/Cancelled──▶ projection
+//
+// Every service is a child process with its own schema, and its own `onceflow relay` child
+// process publishing its outbox to Kafka. The scenario: customers order concurrently; clients
+// retry with the same key (while the first request is in flight, after a dropped connection,
+// after a lost answer) and reuse a key with a different body; a replayer injects duplicate
+// deliveries into every topic; the orders relay and the payments service are SIGKILLed
+// mid-stream and restarted; one customer goes over his limit and is declined, a scarce
+// product runs out, and those sagas compensate. At the end, dedup rows of a few finished
+// charges are deleted (as an early retention cleanup would) and the charges redelivered, to
+// show the payment's second barrier. Then it prints a table of invariants and exits non-zero
+// if one fails.
+//
+// With nothing configured it starts a throwaway PostgreSQL and an in-process Kafka (kfake);
+// with DATABASE_URL / KAFKA_BROKERS set it uses those (in schemas and topics of its own).
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net/http"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/examples/internal/checkout"
+	"github.com/onceflow/onceflow/examples/internal/platform"
+)
+
+type options struct {
+	bin               string
+	ordersPerCustomer int
+	duration          time.Duration
+	replay            float64
+	limit             int64
+	lostDedup         int
+	timeout           time.Duration
+}
+
+func main() {
+	var o options
+	flag.StringVar(&o.bin, "bin", "bin", "directory with the onceflow binary and examples/{orders,inventory,payments,projection} (make demo builds them)")
+	flag.IntVar(&o.ordersPerCustomer, "orders", 40, "orders each of the six customers places")
+	flag.DurationVar(&o.duration, "duration", 12*time.Second, "how long the customers spread their orders over")
+	flag.Float64Var(&o.replay, "replay", 0.08, "share of Kafka records re-delivered as duplicates")
+	flag.Int64Var(&o.limit, "limit", 100_000, "what a customer may spend at the payment provider, in cents")
+	flag.IntVar(&o.lostDedup, "lost-dedup", 5, "finished charges redelivered after their dedup rows were deleted")
+	flag.DurationVar(&o.timeout, "timeout", 50*time.Second, "give up if the shop has not settled by then")
+	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	ok, err := run(ctx, o)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "demo:", err)
+		os.Exit(1)
+	}
+	if !ok {
+		os.Exit(1)
+	}
+}
+
+// svc is a service child process with its schema and counters.
+type svc struct {
+	*proc
+	schema   string
+	counters counters
+}
+
+// shop is everything the demo started.
+type shop struct {
+	pool                                     *pgxpool.Pool
+	topics                                   checkout.Topics
+	orders, inventory, payments, projection *svc
+	relays                                   map[string]*proc // by service name
+	client                                   *client
+	rep                                      *replayer
+	start                                    time.Time
+}
+
+func (s *shop) services() []*svc { return []*svc{s.orders, s.inventory, s.payments, s.projection} }
+
+func (s *shop) procs() []*proc {
+	ps := []*proc{}
+	for _, sv := range s.services() {
+		if sv != nil {
+			ps = append(ps, sv.proc)
+		}
+	}
+	for _, name := range []string{"orders", "inventory", "payments"} {
+		ps = append(ps, s.relays[name])
+	}
+	return ps
+}
+
+// t qualifies a table with a service's schema.
+func t(sv *svc, table string) string { return pgx.Identifier{sv.schema, table}.Sanitize() }
+
+func run(ctx context.Context, o options) (bool, error) {
+	s := &shop{start: time.Now(), relays: map[string]*proc{}}
+	onceflow, err := filepath.Abs(filepath.Join(o.bin, "onceflow"))
+	if err != nil {
+		return false, err
+	}
+	for _, name := range []string{"onceflow", "examples/orders", "examples/inventory", "examples/payments", "examples/projection"} {
+		if _, err := os.Stat(filepath.Join(o.bin, name)); err != nil {
+			return false, fmt.Errorf("%s not found in %s: run `make demo` (it builds them) or pass -bin", name, o.bin)
+		}
+	}
+
+	// Infrastructure: embedded unless configured. On real servers the run gets schemas and
+	// topics of its own.
+	schemaPrefix, topicPrefix := "", ""
+	dbURL := os.Getenv("DATABASE_URL")
+	if dbURL == "" {
+		url, stop, err := platform.StartPostgres(ctx)
+		if err != nil {
+			return false, err
+		}
+		defer stop()
+		dbURL = url
+		fmt.Println("▸ PostgreSQL: a throwaway cluster from the installed binaries (DATABASE_URL unset)")
+	} else {
+		schemaPrefix = "demo_" + randomHex(3) + "_"
+		fmt.Println("▸ PostgreSQL: DATABASE_URL, schemas " + schemaPrefix + "*")
+	}
+	var brokers []string
+	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
+		brokers = strings.Split(b, ",")
+		topicPrefix = "demo-" + randomHex(3) + "."
+		fmt.Println("▸ Kafka: KAFKA_BROKERS, topics " + topicPrefix + "*")
+	} else {
+		bs, stop, err := platform.StartKafka()
+		if err != nil {
+			return false, err
+		}
+		defer stop()
+		brokers = bs
+		fmt.Printf("▸ Kafka: in-process kfake, %d partitions per topic (KAFKA_BROKERS unset)\n", platform.Partitions)
+	}
+	s.topics = checkout.NewTopics(topicPrefix)
+	if err := platform.CreateTopics(ctx, brokers, s.topics.All()...); err != nil {
+		return false, err
+	}
+	if s.pool, err = pgxpool.New(ctx, dbURL); err != nil {
+		return false, err
+	}
+	defer s.pool.Close()
+	if schemaPrefix != "" {
+		defer s.dropSchemas()
+	}
+
+	// The services, each a child process on its own schema; then a relay per outbox.
+	env := []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + strings.Join(brokers, ",")}
+	newSvc := func(name string, extra ...string) (*svc, error) {
+		addr, err := freeAddr()
+		if err != nil {
+			return nil, err
+		}
+		bin, _ := filepath.Abs(filepath.Join(o.bin, "examples", name))
+		sv := &svc{schema: schemaPrefix + name, proc: &proc{name: name, bin: bin, addr: addr, env: env}}
+		sv.args = append([]string{"-addr", addr, "-schema", sv.schema, "-relay=false", "-topic-prefix", topicPrefix,
+			"-instance", "demo-" + name, "-log-level", "warn"}, extra...)
+		return sv, sv.start()
+	}
+	if s.orders, err = newSvc("orders"); err != nil {
+		return false, err
+	}
+	// The idempotency middleware logs a request whose client hung up before its transaction
+	// began as a storage failure; the demo's dropped connections do that on purpose. Nothing
+	// was stored and the client's retry runs the request: count these lines instead of
+	// showing them.
+	s.orders.quiet = func(line string) bool {
+		return strings.Contains(line, "storage failed") && strings.Contains(line, "context canceled")
+	}
+	if s.inventory, err = newSvc("inventory"); err != nil {
+		return false, err
+	}
+	if s.payments, err = newSvc("payments", "-limit", fmt.Sprint(o.limit)); err != nil {
+		return false, err
+	}
+	if s.projection, err = newSvc("projection"); err != nil {
+		return false, err
+	}
+	defer s.stopAll()
+	for _, sv := range s.services() {
+		if err := sv.waitHealthy(ctx, 30*time.Second); err != nil {
+			return false, err
+		}
+	}
+	for _, sv := range []*svc{s.orders, s.inventory, s.payments} {
+		r := &proc{name: sv.name + " relay", bin: onceflow, args: []string{"relay", "--database-url", dbURL,
+			"--schema", sv.schema, "--kafka-brokers", strings.Join(brokers, ","), "--id", "demo-" + sv.name, "--log-level", "warn"}}
+		if err := r.start(); err != nil {
+			return false, err
+		}
+		s.relays[sv.name] = r
+	}
+	fmt.Printf("▸ started in %.1fs: orders, inventory, payments, projection, and a `onceflow relay` for each outbox\n\n", time.Since(s.start).Seconds())
+
+	rctx, stopReplay := context.WithCancel(ctx)
+	defer stopReplay()
+	if s.rep, err = startReplayer(rctx, brokers, s.topics.All(), s.topics.Charge, o.replay); err != nil {
+		return false, err
+	}
+	defer s.rep.close()
+
+	// The customers.
+	s.client = newClient(s.orders.addr)
+	total := o.ordersPerCustomer * len(shoppers)
+	interval := o.duration / time.Duration(o.ordersPerCustomer)
+	var shopping sync.WaitGroup
+	for i, sh := range shoppers {
+		shopping.Go(func() { s.client.shop(ctx, sh, o.ordersPerCustomer, interval, uint64(i+1)) })
+	}
+	trafficDone := make(chan struct{})
+	go func() { shopping.Wait(); close(trafficDone) }()
+
+	deadline := time.Now().Add(o.timeout)
+	faults := []fault{
+		{at: total * 30 / 100, what: "orders relay", do: func() error { return s.restart(ctx, s.relays["orders"], nil) }},
+		{at: total * 55 / 100, what: "payments service", do: func() error { return s.restart(ctx, s.payments.proc, s.payments) }},
+	}
+	if err := s.watch(ctx, deadline, trafficDone, faults); err != nil {
+		return false, err
+	}
+	s.rep.on.Store(false) // the traffic is over: no more injected duplicates
+	if err := s.settle(ctx, deadline); err != nil {
+		fmt.Println("  ✗", err)
+	}
+	lost, err := s.loseDedup(ctx, o.lostDedup)
+	if err != nil {
+		return false, err
+	}
+	if lost > 0 {
+		fmt.Printf("  ✗ deleted the payments dedup rows of %d confirmed orders and redelivered their charges (an early retention cleanup, a consumer group reset)\n", lost)
+		want := s.payments.counters.get("unique_constraint_hits") + int64(lost)
+		for s.payments.counters.get("unique_constraint_hits") < want && time.Now().Before(deadline) {
+			time.Sleep(100 * time.Millisecond)
+			s.payments.counters.poll(s.payments.addr)
+		}
+	}
+	if err := s.settle(ctx, deadline); err != nil {
+		fmt.Println("  ✗", err)
+	}
+	rows, err := s.check(ctx, o, lost)
+	if err != nil {
+		return false, err
+	}
+	rows = append(rows, s.stopAll()...)
+	return report(rows, time.Since(s.start)), nil
+}
+
+// fault is a crash injected when the customers have placed at orders.
+type fault struct {
+	at   int
+	what string
+	do   func() error
+	done bool
+}
+
+// watch prints progress every second, injects the faults and returns when the customers are
+// done.
+func (s *shop) watch(ctx context.Context, deadline time.Time, trafficDone <-chan struct{}, faults []fault) error {
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	last := time.Time{}
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-trafficDone:
+			s.progress(ctx)
+			return nil
+		case <-tick.C:
+		}
+		for _, p := range s.procs() {
+			if p.failed() {
+				return fmt.Errorf("%s exited on its own; see its log lines above", p.name)
+			}
+		}
+		for _, sv := range s.services() {
+			sv.counters.poll(sv.addr)
+		}
+		for i := range faults {
+			f := &faults[i]
+			if !f.done && s.client.accepted.Load() >= int64(f.at) {
+				f.done = true
+				if err := f.do(); err != nil {
+					return err
+				}
+			}
+		}
+		if time.Since(last) >= time.Second {
+			last = time.Now()
+			s.progress(ctx)
+		}
+		if time.Now().After(deadline) {
+			return errors.New("the customers did not finish in time")
+		}
+	}
+}
+
+// restart SIGKILLs p mid-stream and starts it again a second later.
+func (s *shop) restart(ctx context.Context, p *proc, sv *svc) error {
+	if sv != nil {
+		sv.counters.poll(sv.addr) // its counters die with it: keep the last reading
+	}
+	pid := p.pid()
+	p.kill()
+	if sv != nil {
+		sv.counters.restart()
+	}
+	time.Sleep(time.Second) // the stream moves on without it
+	if err := p.start(); err != nil {
+		return err
+	}
+	if sv != nil {
+		if err := sv.waitHealthy(ctx, 20*time.Second); err != nil {
+			return err
+		}
+	}
+	fmt.Printf("  ✗ %s (pid %d) SIGKILLed mid-stream; restarted as pid %d\n", p.name, pid, p.pid())
+	return nil
+}
+
+func (s *shop) progress(ctx context.Context) {
+	var pending, confirmed, cancelled, outboxRows int64
+	err := s.pool.QueryRow(ctx, `SELECT
+		count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'confirmed'),
+		count(*) FILTER (WHERE status = 'cancelled') FROM `+t(s.orders, "orders")).Scan(&pending, &confirmed, &cancelled)
+	if err == nil {
+		outboxRows, err = s.outboxRows(ctx)
+	}
+	if err != nil {
+		fmt.Println("  progress:", err)
+		return
+	}
+	c := s.client
+	fmt.Printf("  %5.1fs  orders %3d  replays %2d  dropped %2d  reused keys %2d │ confirmed %3d  cancelled %3d  running %2d │ outbox rows %3d │ duplicates injected %3d\n",
+		time.Since(s.start).Seconds(), c.accepted.Load(), c.replays.Load(), c.dropped.Load(), c.reuses.Load(),
+		confirmed, cancelled, pending, outboxRows, s.rep.total())
+}
+
+func (s *shop) outboxRows(ctx context.Context) (int64, error) {
+	var n int64
+	err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+t(s.orders, "outbox")+`) + (SELECT count(*) FROM `+
+		t(s.inventory, "outbox")+`) + (SELECT count(*) FROM `+t(s.payments, "outbox")+`)`).Scan(&n)
+	return n, err
+}
+
+// settle waits until no order is pending, the outboxes are empty and the services' counters
+// have not moved for a second and a half: every message, duplicates included, was handled.
+func (s *shop) settle(ctx context.Context, deadline time.Time) error {
+	var prev string
+	stableSince := time.Now()
+	for {
+		for _, sv := range s.services() {
+			sv.counters.poll(sv.addr)
+		}
+		var pending, rows, projected, orders int64
+		err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+t(s.orders, "orders")+` WHERE status = 'pending'),
+			(SELECT count(*) FROM `+t(s.orders, "orders")+`),
+			(SELECT count(*) FROM `+t(s.projection, "order_projection")+` WHERE status <> 'pending')`).Scan(&pending, &orders, &projected)
+		if err == nil {
+			rows, err = s.outboxRows(ctx)
+		}
+		if err != nil {
+			return err
+		}
+		var fp strings.Builder
+		for _, sv := range s.services() {
+			fmt.Fprint(&fp, sv.counters.snapshot())
+		}
+		fmt.Fprint(&fp, pending, rows, projected)
+		if fp.String() != prev {
+			prev, stableSince = fp.String(), time.Now()
+		}
+		if pending == 0 && rows == 0 && projected == orders && time.Since(stableSince) >= 1500*time.Millisecond {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not settled in time: %d orders pending, %d outbox rows", pending, rows)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// loseDedup deletes the payments service's dedup (and barrier) rows of n confirmed orders'
+// charges and redelivers the charge commands: the first barrier no longer knows them.
+func (s *shop) loseDedup(ctx context.Context, n int) (int, error) {
+	rows, err := s.pool.Query(ctx, `SELECT id::text FROM `+t(s.orders, "orders")+` WHERE status = 'confirmed' ORDER BY created_at LIMIT 50`)
+	if err != nil {
+		return 0, err
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return 0, err
+	}
+	done := 0
+	for _, id := range ids {
+		if done == n {
+			break
+		}
+		rec := s.rep.charge(id)
+		if rec == nil {
+			continue
+		}
+		if _, err := s.pool.Exec(ctx, `DELETE FROM `+t(s.payments, "processed_event")+
+			` WHERE consumer = 'payments' AND dedup_key LIKE '%' || $1 || '":"charge":%'`, id); err != nil {
+			return done, err
+		}
+		if s.rep.produce(ctx, rec, false) {
+			done++
+		}
+	}
+	return done, nil
+}
+
+// dropSchemas removes the run's schemas from a real server (an embedded one is removed whole).
+func (s *shop) dropSchemas() {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, sv := range s.services() {
+		if sv == nil {
+			continue
+		}
+		if _, err := s.pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{sv.schema}.Sanitize()+" CASCADE"); err != nil {
+			fmt.Fprintf(os.Stderr, "demo: drop schema %s: %v\n", sv.schema, err)
+		}
+	}
+}
+
+// stopAll stops every child with SIGTERM and reports whether each stopped cleanly. Safe to
+// call twice.
+func (s *shop) stopAll() []row {
+	var bad []string
+	n := 0
+	for _, p := range s.procs() {
+		if p == nil {
+			continue
+		}
+		n++
+		if err := p.stop(); err != nil {
+			bad = append(bad, err.Error())
+		}
+	}
+	if len(bad) > 0 {
+		fmt.Println("  ✗ " + strings.Join(bad, "\n  ✗ "))
+	}
+	return []row{{"every service and relay stops cleanly on SIGTERM", fmt.Sprintf("%d/%d exited 0", n-len(bad), n), len(bad) == 0}}
+}
+
+// counters are a service's /debug/counters, summed over its lives (a SIGKILL loses the
+// increments after the last reading).
+type counters struct {
+	mu         sync.Mutex
+	base, last map[string]int64
+}
+
+func (c *counters) poll(addr string) {
+	resp, err := http.Get("http://" + addr + "/debug/counters")
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	var m map[string]int64
+	if json.NewDecoder(resp.Body).Decode(&m) == nil {
+		c.mu.Lock()
+		c.last = m
+		c.mu.Unlock()
+	}
+}
+
+// restart carries the last reading over to the next life of the process.
+func (c *counters) restart() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.base == nil {
+		c.base = map[string]int64{}
+	}
+	for k, v := range c.last {
+		c.base[k] += v
+	}
+	c.last = nil
+}
+
+func (c *counters) get(name string) int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.base[name] + c.last[name]
+}
+
+func (c *counters) snapshot() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return fmt.Sprint(c.base, c.last)
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return hex.EncodeToString(b)
+}
