@@ -83,13 +83,13 @@ type svc struct {
 
 // shop is everything the demo started.
 type shop struct {
-	pool                                     *pgxpool.Pool
-	topics                                   checkout.Topics
+	pool                                    *pgxpool.Pool
+	topics                                  checkout.Topics
 	orders, inventory, payments, projection *svc
-	relays                                   map[string]*proc // by service name
-	client                                   *client
-	rep                                      *replayer
-	start                                    time.Time
+	relays                                  map[string]*proc // by service name
+	client                                  *client
+	rep                                     *replayer
+	start                                   time.Time
 }
 
 func (s *shop) services() []*svc { return []*svc{s.orders, s.inventory, s.payments, s.projection} }

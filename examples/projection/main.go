@@ -7,10 +7,11 @@
 //   - order_projection is naturally idempotent: each event carries the order's absolute state
 //     and version, and the upsert only moves a row forward, so a redelivered (or late, older)
 //     event changes nothing even without the dedup row;
+//
 //   - customer_orders counts orders per customer, a relative update (orders = orders + 1): a
 //     redelivered OrderCreated would count twice, and only the inbox's dedup row stops it.
 //
-//	go run ./examples/projection -addr 127.0.0.1:8083
+//     go run ./examples/projection -addr 127.0.0.1:8083
 //
 // With DATABASE_URL and KAFKA_BROKERS unset it starts an embedded PostgreSQL and Kafka and
 // says so. See README.md.
