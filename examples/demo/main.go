@@ -42,6 +42,9 @@ import (
 	"github.com/onceflow/onceflow/examples/internal/platform"
 )
 
+// httpc is the demo's client for the services' operational endpoints.
+var httpc = &http.Client{Timeout: 5 * time.Second}
+
 type options struct {
 	bin               string
 	ordersPerCustomer int
@@ -112,6 +115,7 @@ func t(sv *svc, table string) string { return pgx.Identifier{sv.schema, table}.S
 
 func run(ctx context.Context, o options) (bool, error) {
 	s := &shop{start: time.Now(), relays: map[string]*proc{}}
+	defer httpc.CloseIdleConnections()
 	onceflow, err := filepath.Abs(filepath.Join(o.bin, "onceflow"))
 	if err != nil {
 		return false, err
@@ -221,6 +225,7 @@ func run(ctx context.Context, o options) (bool, error) {
 
 	// The customers.
 	s.client = newClient(s.orders.addr)
+	defer s.client.http.CloseIdleConnections()
 	total := o.ordersPerCustomer * len(shoppers)
 	interval := o.duration / time.Duration(o.ordersPerCustomer)
 	var shopping sync.WaitGroup
@@ -242,13 +247,14 @@ func run(ctx context.Context, o options) (bool, error) {
 	if err := s.settle(ctx, deadline); err != nil {
 		fmt.Println("  ✗", err)
 	}
+	hits := s.payments.counters.get("unique_constraint_hits")
 	lost, err := s.loseDedup(ctx, o.lostDedup)
 	if err != nil {
 		return false, err
 	}
 	if lost > 0 {
 		fmt.Printf("  ✗ deleted the payments dedup rows of %d confirmed orders and redelivered their charges (an early retention cleanup, a consumer group reset)\n", lost)
-		want := s.payments.counters.get("unique_constraint_hits") + int64(lost)
+		want := hits + int64(lost)
 		for s.payments.counters.get("unique_constraint_hits") < want && time.Now().Before(deadline) {
 			time.Sleep(100 * time.Millisecond)
 			s.payments.counters.poll(s.payments.addr)
@@ -477,7 +483,7 @@ type counters struct {
 }
 
 func (c *counters) poll(addr string) {
-	resp, err := http.Get("http://" + addr + "/debug/counters")
+	resp, err := httpc.Get("http://" + addr + "/debug/counters")
 	if err != nil {
 		return
 	}

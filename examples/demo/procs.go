@@ -112,7 +112,7 @@ func (p *proc) stop() error {
 func (p *proc) waitHealthy(ctx context.Context, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
-		resp, err := http.Get("http://" + p.addr + "/healthz")
+		resp, err := httpc.Get("http://" + p.addr + "/healthz")
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {

@@ -101,7 +101,17 @@ func (s *service) finish(ctx context.Context, tx pgx.Tx, orderID, status, reason
 		orderID, status, reason).
 		Scan(&ev.OrderID, &ev.CustomerID, &ev.SKU, &ev.Quantity, &ev.Amount, &ev.Status, &ev.Reason, &ev.Version)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("order %s is not pending", orderID) // cannot happen behind the barrier; redelivered if it does
+		// Not pending any more. Behind the barrier this does not happen; if it does, an order
+		// already in the wanted state needs nothing, and anything else is a bug to look at
+		// (the command fails and is redelivered, visible in the logs).
+		var current string
+		if err := tx.QueryRow(ctx, `SELECT status FROM orders WHERE id = $1`, orderID).Scan(&current); err != nil {
+			return fmt.Errorf("order %s: %w", orderID, err)
+		}
+		if current == status {
+			return nil
+		}
+		return fmt.Errorf("order %s is %s, cannot make it %s", orderID, current, status)
 	}
 	if err != nil {
 		return err
