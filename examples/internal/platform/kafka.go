@@ -73,12 +73,11 @@ func RunRelay(ctx context.Context, pool *pgxpool.Pool, schema string, brokers []
 	if err != nil {
 		return err
 	}
-	defer sink.Close()
 	r, err := relay.New(relay.Config{Pool: pool, Sink: sink, Schema: schema, Logger: log})
 	if err != nil {
-		return err
+		return errors.Join(err, sink.Close())
 	}
-	return r.Run(ctx)
+	return errors.Join(r.Run(ctx), sink.Close())
 }
 
 // NewRouter returns a Watermill router with the middlewares every example uses: Retry
