@@ -207,8 +207,10 @@ func run(ctx context.Context, o options) (bool, error) {
 		}
 	}
 	for _, sv := range []*svc{s.orders, s.inventory, s.payments} {
-		r := &proc{name: sv.name + " relay", bin: onceflow, args: []string{"relay", "--database-url", dbURL,
-			"--schema", sv.schema, "--kafka-brokers", strings.Join(brokers, ","), "--id", "demo-" + sv.name, "--log-level", "warn"}}
+		// The connection string goes in the environment (DATABASE_URL, KAFKA_BROKERS), not on
+		// the command line, where every user of the machine could read a password in it.
+		r := &proc{name: sv.name + " relay", bin: onceflow, env: env, args: []string{"relay",
+			"--schema", sv.schema, "--id", "demo-" + sv.name, "--log-level", "warn"}}
 		if err := r.start(); err != nil {
 			return false, err
 		}
