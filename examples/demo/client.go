@@ -67,7 +67,7 @@ func (c *client) shop(ctx context.Context, s shopper, n int, interval time.Durat
 		switch r := rnd.Float64(); {
 		case r < 0.10:
 			// A client that retried while its first request was still in flight: both copies
-			// at once. One runs; the other waits for it and gets its response (WaitInFlight).
+			// at once. One runs; the other gets 409 while it does, and then the stored answer.
 			var wg sync.WaitGroup
 			for range 2 {
 				wg.Go(func() { c.place(ctx, s.id, key, body) })
@@ -101,7 +101,7 @@ func (c *client) place(ctx context.Context, customer, key, body string) {
 	for attempt := 0; ctx.Err() == nil; attempt++ {
 		if attempt > 0 {
 			c.retries.Add(1)
-			time.Sleep(100 * time.Millisecond)
+			time.Sleep(100 * time.Millisecond) // sooner than Retry-After, to keep the demo short
 		}
 		status, hdr, b, err := c.post(ctx, customer, key, body)
 		switch {

@@ -181,7 +181,9 @@ func run(ctx context.Context, o options) (bool, error) {
 			"-instance", "demo-" + name, "-log-level", "warn"}, extra...)
 		return sv, sv.start()
 	}
-	if s.orders, err = newSvc("orders"); err != nil {
+	// -wait-in-flight 0: a retry that arrives while its first request runs is answered 409
+	// (request-in-flight) instead of waiting, so the demo can count them.
+	if s.orders, err = newSvc("orders", "-wait-in-flight", "0"); err != nil {
 		return false, err
 	}
 	// The idempotency middleware logs a request whose client hung up before its transaction

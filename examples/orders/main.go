@@ -50,12 +50,13 @@ CREATE TABLE IF NOT EXISTS orders (
 
 func main() {
 	f := platform.RegisterFlags("127.0.0.1:8080", "orders")
+	waitInFlight := flag.Duration("wait-in-flight", 2*time.Second, "how long a retry of a request still running waits for its answer (0: answer 409 at once)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	log, err := f.Logger("orders")
 	if err == nil {
-		err = run(ctx, f, log)
+		err = run(ctx, f, *waitInFlight, log)
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "orders:", err)
@@ -74,7 +75,7 @@ type service struct {
 	counters *platform.Counter
 }
 
-func run(ctx context.Context, f *platform.Flags, log *slog.Logger) error {
+func run(ctx context.Context, f *platform.Flags, waitInFlight time.Duration, log *slog.Logger) error {
 	infra, err := platform.StartInfra(ctx, log)
 	if err != nil {
 		return err
@@ -142,7 +143,7 @@ func run(ctx context.Context, f *platform.Flags, log *slog.Logger) error {
 		Metrics: platform.HTTPMetrics{C: s.counters},
 		// A retry that arrives while the first request is still running waits for its
 		// response instead of getting 409 at once.
-		WaitInFlight: 2 * time.Second,
+		WaitInFlight: waitInFlight,
 	})
 	if err != nil {
 		return err
