@@ -16,9 +16,10 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 func TestServesACommandAndStops(t *testing.T) {
 	s := exampletest.Start(t, "github.com/onceflow/onceflow/examples/inventory")
 	topics := checkout.NewTopics(s.Prefix)
-	s.Produce(t, topics.Reserve, exampletest.Command(t, "order-1", "reserve-stock", topics.Replies,
+	ref := outbox.SagaRef{ID: "order-1", Step: "reserve-stock", Phase: outbox.SagaPhaseAction, Attempt: 1}
+	s.Produce(t, topics.Reserve, exampletest.Command(t, ref, topics.Replies,
 		checkout.ReserveStock{OrderID: "order-1", SKU: "book", Quantity: 2}))
-	reply := s.Await(t, topics.Replies, outbox.MetadataSagaID, "order-1")
+	reply := s.Await(t, topics.Replies, map[string]string{outbox.MetadataSagaID: "order-1"})
 	if outcome := exampletest.Header(reply, outbox.MetadataSagaOutcome); outcome != outbox.SagaOutcomeDone {
 		t.Fatalf("reply outcome %q (%s), want done", outcome, reply.Value)
 	}

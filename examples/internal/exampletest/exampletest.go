@@ -153,9 +153,9 @@ func (s *Service) Produce(t *testing.T, topic string, msg *message.Message) {
 	}
 }
 
-// Await reads topic from the start until a record with header key = value arrives, and
-// returns it; it fails the test after 20 s.
-func (s *Service) Await(t *testing.T, topic, key, value string) *kgo.Record {
+// Await reads topic from the start until a record carries every header in want, and returns
+// it; it fails the test after 20 s.
+func (s *Service) Await(t *testing.T, topic string, want map[string]string) *kgo.Record {
 	t.Helper()
 	cl, err := kgo.NewClient(kgo.SeedBrokers(s.Brokers...), kgo.ConsumeTopics(topic),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
@@ -168,15 +168,16 @@ func (s *Service) Await(t *testing.T, topic, key, value string) *kgo.Record {
 	for {
 		fs := cl.PollFetches(ctx)
 		if ctx.Err() != nil {
-			t.Fatalf("no record with %s=%s on %s within 20s:\n%s", key, value, topic, s.out.String())
+			t.Fatalf("no record with %v on %s within 20s:\n%s", want, topic, s.out.String())
 		}
 		var found *kgo.Record
 		fs.EachRecord(func(r *kgo.Record) {
-			for _, h := range r.Headers {
-				if h.Key == key && string(h.Value) == value {
-					found = r
+			for k, v := range want {
+				if Header(r, k) != v {
+					return
 				}
 			}
+			found = r
 		})
 		if found != nil {
 			return found
@@ -185,15 +186,15 @@ func (s *Service) Await(t *testing.T, topic, key, value string) *kgo.Record {
 }
 
 // Command returns a saga command as the orchestrator of saga "checkout" sends it: payload
-// cmd (JSON), the saga metadata of the step's first attempt, keyed by the saga id.
-func Command(t *testing.T, sagaID, step, replyTo string, cmd any) *message.Message {
+// cmd (JSON), the saga metadata of ref, keyed by the saga id, answered on replyTo.
+func Command(t *testing.T, ref outbox.SagaRef, replyTo string, cmd any) *message.Message {
 	t.Helper()
 	payload, err := json.Marshal(cmd)
 	if err != nil {
 		t.Fatal(err)
 	}
-	msg := outbox.SetPartitionKey(outbox.NewMessage(payload), sagaID)
-	outbox.SetSaga(msg, outbox.SagaRef{ID: sagaID, Step: step, Phase: outbox.SagaPhaseAction, Attempt: 1})
+	msg := outbox.SetPartitionKey(outbox.NewMessage(payload), ref.ID)
+	outbox.SetSaga(msg, ref)
 	msg.Metadata.Set(outbox.MetadataSagaName, "checkout")
 	msg.Metadata.Set(outbox.MetadataSagaReplyTo, replyTo)
 	return msg
