@@ -55,6 +55,7 @@ func main() {
 	defer stop()
 	log, err := f.Logger("inventory")
 	if err == nil {
+		slog.SetDefault(log) // handlers that log through slog use the same level and handler
 		err = run(ctx, f, log)
 	}
 	if err != nil {

@@ -56,6 +56,7 @@ func main() {
 	defer stop()
 	log, err := f.Logger("orders")
 	if err == nil {
+		slog.SetDefault(log) // handlers that log through slog use the same level and handler
 		err = run(ctx, f, *waitInFlight, log)
 	}
 	if err != nil {

@@ -66,6 +66,7 @@ func main() {
 	defer stop()
 	log, err := f.Logger("payments")
 	if err == nil {
+		slog.SetDefault(log) // handlers that log through slog use the same level and handler
 		err = run(ctx, f, *limit, log)
 	}
 	if err != nil {

@@ -63,6 +63,7 @@ func main() {
 	defer stop()
 	log, err := f.Logger("projection")
 	if err == nil {
+		slog.SetDefault(log) // handlers that log through slog use the same level and handler
 		err = run(ctx, f, log)
 	}
 	if err != nil {
