@@ -179,7 +179,7 @@ func run(ctx context.Context, o options) (bool, error) {
 		sv := &svc{schema: schemaPrefix + name, proc: &proc{name: name, bin: bin, addr: addr, env: env}}
 		sv.args = append([]string{"-addr", addr, "-schema", sv.schema, "-relay=false", "-topic-prefix", topicPrefix,
 			"-instance", "demo-" + name, "-log-level", "warn"}, extra...)
-		return sv, sv.start()
+		return sv, nil
 	}
 	// -wait-in-flight 0: a retry that arrives while its first request runs is answered 409
 	// (request-in-flight) instead of waiting, so the demo can count them.
@@ -203,6 +203,11 @@ func run(ctx context.Context, o options) (bool, error) {
 		return false, err
 	}
 	defer s.stopAll()
+	for _, sv := range s.services() {
+		if err := sv.start(); err != nil {
+			return false, err
+		}
+	}
 	for _, sv := range s.services() {
 		if err := sv.waitHealthy(ctx, 30*time.Second); err != nil {
 			return false, err
@@ -232,17 +237,19 @@ func run(ctx context.Context, o options) (bool, error) {
 	defer s.client.http.CloseIdleConnections()
 	total := o.ordersPerCustomer * len(shoppers)
 	interval := o.duration / time.Duration(o.ordersPerCustomer)
+	sctx, stopShopping := context.WithCancel(ctx)
 	var shopping sync.WaitGroup
+	defer func() { stopShopping(); shopping.Wait() }() // on an early return too
 	for i, sh := range shoppers {
-		shopping.Go(func() { s.client.shop(ctx, sh, o.ordersPerCustomer, interval, uint64(i+1)) })
+		shopping.Go(func() { s.client.shop(sctx, sh, o.ordersPerCustomer, interval, uint64(i+1)) })
 	}
 	trafficDone := make(chan struct{})
 	go func() { shopping.Wait(); close(trafficDone) }()
 
 	deadline := time.Now().Add(o.timeout)
 	faults := []fault{
-		{at: total * 30 / 100, what: "orders relay", do: func() error { return s.restart(ctx, s.relays["orders"], nil) }},
-		{at: total * 55 / 100, what: "payments service", do: func() error { return s.restart(ctx, s.payments.proc, s.payments) }},
+		{at: total * 30 / 100, do: func() error { return s.restart(ctx, s.relays["orders"], nil) }},
+		{at: total * 55 / 100, do: func() error { return s.restart(ctx, s.payments.proc, s.payments) }},
 	}
 	if err := s.watch(ctx, deadline, trafficDone, faults); err != nil {
 		return false, err
@@ -278,7 +285,6 @@ func run(ctx context.Context, o options) (bool, error) {
 // fault is a crash injected when the customers have placed at orders.
 type fault struct {
 	at   int
-	what string
 	do   func() error
 	done bool
 }
