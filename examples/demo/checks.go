@@ -118,7 +118,7 @@ func (s *shop) check(ctx context.Context, o options, lost int) ([]row, error) {
 		absorbed("projection inbox (processed_event)", s.projection.counters.get("inbox_duplicates"), inj(tp.OrderEvents), ""),
 		{"  payment provider idempotency key", fmt.Sprintf("%d repeated charges answered with the first", v.providerReplays), v.providerReplays >= int64(lost)},
 		{"  UNIQUE (payment_provider, external_payment_id)", fmt.Sprintf("%d caught, of %d charges redelivered without dedup rows",
-			s.payments.counters.get("unique_constraint_hits"), lost), s.payments.counters.get("unique_constraint_hits") >= int64(lost) && lost > 0},
+			s.payments.counters.get("unique_constraint_hits"), lost), s.payments.counters.get("unique_constraint_hits") >= int64(lost) && lost == o.lostDedup},
 		{"crashes: orders relay and payments SIGKILLed, restarted",
 			fmt.Sprintf("%d + %d kills, %d + %d restarts", s.relays["orders"].kills, s.payments.kills, s.relays["orders"].restarts, s.payments.restarts),
 			s.relays["orders"].kills == 1 && s.payments.kills == 1 && s.relays["orders"].restarts == 1 && s.payments.restarts == 1},
