@@ -7,7 +7,7 @@ BIN      := $(CURDIR)/bin
 # BENCH_FLAGS is passed to the bench program, e.g. `make bench BENCH_FLAGS=-only=outbox_write`.
 BENCH_FLAGS ?=
 
-.PHONY: test lint bench demo build
+.PHONY: test lint bench demo demo-core build examples
 
 ## test: go vet, then every test with the race detector (starts its own Postgres and kfake)
 test:
@@ -38,6 +38,15 @@ bench:
 build:
 	$(GO) build -o bin/onceflow ./cmd/onceflow
 
-## demo: producers → outbox → `onceflow relay` (killed and restarted) → Kafka → inbox consumer, then checks the invariants
-demo: build
-	$(GO) run ./examples/demo -onceflow bin/onceflow
+## examples: the example services (examples/{orders,inventory,payments,projection}) into ./bin/examples
+examples:
+	$(GO) build -o bin/examples/ ./examples/orders ./examples/inventory ./examples/payments ./examples/projection
+
+## demo: the example shop end to end: orders, inventory, payments and a projection as child processes,
+## each with its own schema and `onceflow relay`; retries, duplicates, crashes; then checks the invariants
+demo: build examples
+	$(GO) run ./examples/demo -bin bin
+
+## demo-core: producers → outbox → `onceflow relay` (killed and restarted) → Kafka → inbox consumer, then checks the invariants
+demo-core: build
+	$(GO) run ./examples/coredemo -onceflow bin/onceflow

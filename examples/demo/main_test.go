@@ -13,19 +13,28 @@ import (
 // TestMain fails the run when the demo leaves goroutines behind.
 func TestMain(m *testing.M) { testutil.Main(m) }
 
-// TestDemo runs a shortened `make demo` so the README's main command cannot rot: a real
-// onceflow binary killed mid-stream, replayed duplicates, and every invariant checked.
+// TestDemo runs a shortened `make demo`, so that the README's first command cannot rot: the
+// four services and three relays as processes, a relay and a participant SIGKILLed, injected
+// duplicates, lost dedup rows, and every invariant checked.
 func TestDemo(t *testing.T) {
-	bin := filepath.Join(t.TempDir(), "onceflow")
-	if out, err := exec.Command("go", "build", "-o", bin, "github.com/onceflow/onceflow/cmd/onceflow").CombinedOutput(); err != nil {
+	if testing.Short() {
+		t.Skip("builds five binaries and runs the shop for about 15s")
+	}
+	bin := t.TempDir()
+	build := exec.Command("go", "build", "-o", filepath.Join(bin, "onceflow"), "github.com/onceflow/onceflow/cmd/onceflow")
+	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("build onceflow: %v\n%s", err, out)
+	}
+	build = exec.Command("go", "build", "-o", filepath.Join(bin, "examples")+"/",
+		"github.com/onceflow/onceflow/examples/orders", "github.com/onceflow/onceflow/examples/inventory",
+		"github.com/onceflow/onceflow/examples/payments", "github.com/onceflow/onceflow/examples/projection")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build the examples: %v\n%s", err, out)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	ok, err := run(ctx, options{
-		binary: bin, events: 1500, accounts: 20, producers: 3, duration: 3 * time.Second,
-		replayRate: 0.1, kills: 1, timeout: 60 * time.Second,
-	})
+	ok, err := run(ctx, options{bin: bin, ordersPerCustomer: 10, duration: 3 * time.Second, replay: 0.1,
+		limit: 20_000, lostDedup: 2, timeout: 60 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,0 +1,152 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"text/tabwriter"
+	"time"
+
+	"github.com/onceflow/onceflow/examples/internal/checkout"
+)
+
+// row is one line of the invariant table.
+type row struct {
+	name, value string
+	ok          bool
+}
+
+// check computes the invariants from the services' tables (all in one database, so the demo
+// can join across schemas; the services themselves never do) and their counters.
+func (s *shop) check(ctx context.Context, o options, lost int) ([]row, error) {
+	for _, sv := range s.services() {
+		sv.counters.poll(sv.addr)
+	}
+	orders, res, pay, proj := t(s.orders, "orders"), t(s.inventory, "reservation"), t(s.payments, "payment"), t(s.projection, "order_projection")
+	providerCharges := t(s.payments, "fake_provider_charge")
+	var v struct {
+		orders, pending, confirmed, cancelled, outOfStock, declined int64
+		sagas, completed, compensated                               int64
+		confirmedBad, cancelledBad, keysTwice                       int64
+		stockBad, projBad, counterBad, customers                    int64
+		outbox, parked, distinctReplies, providerReplays            int64
+	}
+	skus, stock := []string{}, []int{}
+	for _, p := range checkout.Catalogue {
+		skus, stock = append(skus, p.SKU), append(stock, p.Stock)
+	}
+	q := `SELECT
+		(SELECT count(*) FROM ` + orders + `),
+		(SELECT count(*) FROM ` + orders + ` WHERE status = 'pending'),
+		(SELECT count(*) FROM ` + orders + ` WHERE status = 'confirmed'),
+		(SELECT count(*) FROM ` + orders + ` WHERE status = 'cancelled'),
+		(SELECT count(*) FROM ` + orders + ` WHERE status = 'cancelled' AND reason LIKE '%out of stock%'),
+		(SELECT count(*) FROM ` + orders + ` WHERE status = 'cancelled' AND reason LIKE '%declined%'),
+		(SELECT count(*) FROM ` + t(s.orders, "saga") + `),
+		(SELECT count(*) FROM ` + t(s.orders, "saga") + ` WHERE state = 'completed'),
+		(SELECT count(*) FROM ` + t(s.orders, "saga") + ` WHERE state = 'compensated'),
+		-- every confirmed order: exactly one payment, one reservation, one charge at the provider
+		(SELECT count(*) FROM ` + orders + ` o WHERE o.status = 'confirmed' AND (
+			(SELECT count(*) FROM ` + pay + ` p WHERE p.order_id = o.id::text AND p.status = 'charged' AND p.amount = o.amount) <> 1 OR
+			(SELECT count(*) FROM ` + pay + ` p WHERE p.order_id = o.id::text) <> 1 OR
+			(SELECT count(*) FROM ` + res + ` r WHERE r.order_id = o.id::text AND r.status = 'reserved' AND r.quantity = o.quantity) <> 1 OR
+			(SELECT count(*) FROM ` + providerCharges + ` c WHERE c.idempotency_key = 'saga:' || o.id || ':charge' AND NOT c.declined AND NOT c.refunded) <> 1)),
+		-- every cancelled order: nothing reserved, nothing charged (net of refunds)
+		(SELECT count(*) FROM ` + orders + ` o WHERE o.status = 'cancelled' AND (
+			EXISTS (SELECT FROM ` + res + ` r WHERE r.order_id = o.id::text AND r.status = 'reserved') OR
+			EXISTS (SELECT FROM ` + pay + ` p WHERE p.order_id = o.id::text AND p.status = 'charged') OR
+			EXISTS (SELECT FROM ` + providerCharges + ` c WHERE c.idempotency_key = 'saga:' || o.id || ':charge' AND NOT c.declined AND NOT c.refunded))),
+		(SELECT count(*) FROM (SELECT FROM ` + orders + ` GROUP BY customer_id, idempotency_key HAVING count(*) > 1) x),
+		-- stock: what is left = what there was − what confirmed orders hold
+		(SELECT count(*) FROM unnest($1::text[], $2::int[]) AS c(sku, initial) JOIN ` + t(s.inventory, "stock") + ` st USING (sku)
+			WHERE st.available <> c.initial - (SELECT coalesce(sum(quantity), 0) FROM ` + res + ` r WHERE r.sku = c.sku AND r.status = 'reserved')),
+		(SELECT count(*) FROM ` + orders + ` o FULL JOIN ` + proj + ` p ON p.order_id = o.id::text
+			WHERE o.id IS NULL OR p.order_id IS NULL OR p.status <> o.status OR p.version <> o.version OR p.reason <> o.reason),
+		(SELECT count(*) FROM (SELECT customer_id, count(*) AS n FROM ` + orders + ` GROUP BY 1) o
+			FULL JOIN ` + t(s.projection, "customer_orders") + ` c USING (customer_id) WHERE o.n IS DISTINCT FROM c.orders),
+		(SELECT count(DISTINCT customer_id) FROM ` + orders + `),
+		(SELECT (SELECT count(*) FROM ` + t(s.orders, "outbox") + `) + (SELECT count(*) FROM ` + t(s.inventory, "outbox") + `) + (SELECT count(*) FROM ` + t(s.payments, "outbox") + `)),
+		(SELECT (SELECT count(*) FROM ` + t(s.orders, "outbox_parked") + `) + (SELECT count(*) FROM ` + t(s.inventory, "outbox_parked") + `) + (SELECT count(*) FROM ` + t(s.payments, "outbox_parked") + `)),
+		(SELECT count(*) FROM ` + t(s.orders, "processed_event") + ` WHERE consumer = 'onceflow-saga'),
+		(SELECT coalesce(sum(requests - 1), 0) FROM ` + providerCharges + `)`
+	err := s.pool.QueryRow(ctx, q, skus, stock).Scan(&v.orders, &v.pending, &v.confirmed, &v.cancelled, &v.outOfStock, &v.declined,
+		&v.sagas, &v.completed, &v.compensated, &v.confirmedBad, &v.cancelledBad, &v.keysTwice, &v.stockBad, &v.projBad,
+		&v.counterBad, &v.customers, &v.outbox, &v.parked, &v.distinctReplies, &v.providerReplays)
+	if err != nil {
+		return nil, fmt.Errorf("invariant query: %w", err)
+	}
+	c, tp := s.client, s.topics
+	accepted := c.accepted.Load()
+	inj := func(topics ...string) int64 {
+		var n int64
+		for _, topic := range topics {
+			n += s.rep.injected(topic)
+		}
+		return n
+	}
+	absorbed := func(name string, got, injected int64, note string) row {
+		return row{"  " + name, fmt.Sprintf("%d absorbed, %d injected%s", got, injected, note), got >= injected && (injected == 0 || got > 0)}
+	}
+	repliesDup := s.orders.counters.get("replies_delivered") - v.distinctReplies
+	paymentsDup := s.payments.counters.get("barrier_duplicates")
+	rows := []row{
+		{"orders accepted = orders stored = sagas started = sagas finished",
+			fmt.Sprintf("%d = %d = %d = %d (%d completed + %d compensated)", accepted, v.orders, v.sagas, v.completed+v.compensated, v.completed, v.compensated),
+			accepted == v.orders && v.orders == v.sagas && v.sagas == v.completed+v.compensated && accepted > 0},
+		{"every order finished: confirmed + cancelled",
+			fmt.Sprintf("%d + %d, %d pending (cancelled: %d out of stock, %d payment declined)", v.confirmed, v.cancelled, v.pending, v.outOfStock, v.declined),
+			v.pending == 0 && v.confirmed == v.completed && v.cancelled == v.compensated && v.declined > 0},
+		{"every confirmed order: one payment, one reservation, one provider charge",
+			fmt.Sprintf("%d/%d", v.confirmed-v.confirmedBad, v.confirmed), v.confirmedBad == 0},
+		{"every cancelled order: stock back, no net charge", fmt.Sprintf("%d/%d", v.cancelled-v.cancelledBad, v.cancelled), v.cancelledBad == 0},
+		{"stock left = initial stock − confirmed reservations", fmt.Sprintf("%d/%d products", int64(len(skus))-v.stockBad, len(skus)), v.stockBad == 0},
+		{"clients retried with the same key", fmt.Sprintf("%d replayed; %d got 409 while the first was in flight; %d after a dropped connection (%d never began)",
+			c.replays.Load(), c.inflight.Load(), c.dropped.Load(), s.orders.quieted.Load()), c.replays.Load() > 0 && c.dropped.Load() > 0},
+		{"no Idempotency-Key produced two orders", fmt.Sprintf("%d in the table, %d seen by clients", v.keysTwice, c.keysWithTwoOrders()),
+			v.keysTwice == 0 && c.keysWithTwoOrders() == 0},
+		{"a key reused with another body is refused (422)", fmt.Sprintf("%d/%d", c.reuseRefused.Load(), c.reuses.Load()), c.reuseRefused.Load() == c.reuses.Load()},
+		{"the projection matches the orders table",
+			fmt.Sprintf("%d rows differ, %d of %d customer counters differ", v.projBad, v.counterBad, v.customers), v.projBad == 0 && v.counterBad == 0},
+		{"outboxes drained (orders, inventory, payments)", fmt.Sprintf("%d rows left, %d parked", v.outbox, v.parked), v.outbox == 0 && v.parked == 0},
+		{"duplicates absorbed, by barrier:", "", true},
+		{"  HTTP Idempotency-Key (stored response replayed)", fmt.Sprintf("%d replays", s.orders.counters.get("http_replayed")), s.orders.counters.get("http_replayed") > 0},
+		absorbed("orchestrator reply dedup", repliesDup, inj(tp.Replies), ""),
+		absorbed("saga barrier, orders", s.orders.counters.get("barrier_duplicates"), inj(tp.PlaceOrder, tp.ConfirmOrder, tp.CancelOrder), ""),
+		absorbed("saga barrier, inventory", s.inventory.counters.get("barrier_duplicates"), inj(tp.Reserve, tp.Release), ""),
+		{"  saga barrier, payments", fmt.Sprintf("%d absorbed, %d injected (its counters die with each SIGKILL)", paymentsDup, inj(tp.Charge, tp.Refund)),
+			inj(tp.Charge, tp.Refund) == 0 || paymentsDup > 0},
+		absorbed("projection inbox (processed_event)", s.projection.counters.get("inbox_duplicates"), inj(tp.OrderEvents), ""),
+		{"  payment provider idempotency key", fmt.Sprintf("%d repeated charges answered with the first", v.providerReplays), v.providerReplays >= int64(lost)},
+		{"  UNIQUE (payment_provider, external_payment_id)", fmt.Sprintf("%d caught, of %d charges redelivered without dedup rows",
+			s.payments.counters.get("unique_constraint_hits"), lost), s.payments.counters.get("unique_constraint_hits") >= int64(lost) && lost == o.lostDedup},
+		{"crashes: orders relay and payments SIGKILLed, restarted",
+			fmt.Sprintf("%d + %d kills, %d + %d restarts", s.relays["orders"].kills, s.payments.kills, s.relays["orders"].restarts, s.payments.restarts),
+			s.relays["orders"].kills == 1 && s.payments.kills == 1 && s.relays["orders"].restarts == 1 && s.payments.restarts == 1},
+	}
+	return rows, nil
+}
+
+// report prints the table and says whether every row holds.
+func report(rows []row, took time.Duration) bool {
+	fmt.Printf("\nInvariants after %.1fs:\n\n", took.Seconds())
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "  CHECK\tVALUE\tOK")
+	ok := true
+	for _, r := range rows {
+		mark := "✓"
+		if !r.ok {
+			mark, ok = "✗ FAILED", false
+		}
+		if r.value == "" {
+			mark = ""
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\n", r.name, r.value, mark)
+	}
+	_ = tw.Flush()
+	if ok {
+		fmt.Println("\nEvery order ran exactly once, paid at most once, and every duplicate was absorbed.")
+	} else {
+		fmt.Println("\nAt least one invariant failed.")
+	}
+	return ok
+}

@@ -1,0 +1,133 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/examples/internal/checkout"
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/saga"
+)
+
+// Checkout is the saga's data: what its commands and compensations are built from. Replies
+// add to it (ReservationID, PaymentID); it is stored with the saga row.
+type Checkout struct {
+	OrderID       string `json:"order_id"`
+	CustomerID    string `json:"customer_id"`
+	SKU           string `json:"sku"`
+	Quantity      int    `json:"quantity"`
+	Amount        int64  `json:"amount"`
+	ReservationID string `json:"reservation_id,omitempty"`
+	PaymentID     string `json:"payment_id,omitempty"`
+}
+
+// checkoutSaga is place order → reserve stock → charge → confirm. A business failure
+// (out of stock, payment declined) compensates the steps before it, last first: stock
+// released, order cancelled. Confirm is the pivot: once stock and money are taken, the
+// order is confirmed, retried until it is.
+func checkoutSaga(t checkout.Topics) *saga.Definition[Checkout] {
+	orderRef := func(c Checkout) (any, error) { return checkout.OrderRef{OrderID: c.OrderID}, nil }
+	return saga.MustDefine("checkout", 1, []*saga.StepDef[Checkout]{
+		// The order row was written with the saga's start. This step exists for its
+		// compensation, which cancels the order when a later step fails; its action is a
+		// no-op (Eventuate's CreateOrderSaga has the same shape).
+		saga.Step[Checkout]("place-order").
+			Send(t.PlaceOrder, orderRef).
+			Compensate(t.CancelOrder, orderRef),
+		saga.Step[Checkout]("reserve-stock").
+			Send(t.Reserve, func(c Checkout) (any, error) {
+				return checkout.ReserveStock{OrderID: c.OrderID, SKU: c.SKU, Quantity: c.Quantity}, nil
+			}).
+			OnReply(func(c *Checkout, r saga.Reply) error {
+				var res checkout.Reserved
+				err := r.Decode(&res)
+				c.ReservationID = res.ReservationID
+				return err
+			}).
+			Compensate(t.Release, func(c Checkout) (any, error) { return checkout.ReleaseStock{OrderID: c.OrderID}, nil }),
+		// No Timeout on the charge: a timed-out charge would be compensated while the
+		// provider may have charged in an attempt whose transaction never committed, and the
+		// barrier would answer that refund as a null compensation (see examples/payments).
+		saga.Step[Checkout]("charge").
+			Send(t.Charge, func(c Checkout) (any, error) {
+				return checkout.Charge{OrderID: c.OrderID, CustomerID: c.CustomerID, Amount: c.Amount}, nil
+			}).
+			OnReply(func(c *Checkout, r saga.Reply) error {
+				var res checkout.Charged
+				err := r.Decode(&res)
+				c.PaymentID = res.PaymentID
+				return err
+			}).
+			Compensate(t.Refund, func(c Checkout) (any, error) { return checkout.Refund{OrderID: c.OrderID}, nil }),
+		saga.Step[Checkout]("confirm").
+			Send(t.ConfirmOrder, orderRef).
+			Pivot(),
+	}, saga.WithReplyTopic(t.Replies))
+}
+
+// The orders service's participant handlers. Each runs in the command's transaction, with its
+// dedup row, the barrier's rows and the reply: a redelivered command changes nothing.
+
+// place is the no-op action of the place-order step.
+func (s *service) place(context.Context, pgx.Tx, checkout.OrderRef) (struct{}, error) {
+	return struct{}{}, nil
+}
+
+// confirm marks the order confirmed and publishes OrderConfirmed, in one transaction.
+func (s *service) confirm(ctx context.Context, tx pgx.Tx, cmd checkout.OrderRef) (struct{}, error) {
+	return struct{}{}, s.finish(ctx, tx, cmd.OrderID, "confirmed", "", checkout.OrderConfirmed)
+}
+
+// cancel is the compensation of place-order: the order is cancelled with the saga's reason
+// (the orchestrator's row is in this schema, so the reason is a query away).
+func (s *service) cancel(ctx context.Context, tx pgx.Tx, cmd checkout.OrderRef) error {
+	reason := "cancelled"
+	if d, err := s.admin.Get(ctx, tx, cmd.OrderID); err == nil && d.Error != "" {
+		reason = d.Error
+	}
+	return s.finish(ctx, tx, cmd.OrderID, "cancelled", reason, checkout.OrderCancelled)
+}
+
+func (s *service) finish(ctx context.Context, tx pgx.Tx, orderID, status, reason, eventType string) error {
+	var ev checkout.OrderEvent
+	err := tx.QueryRow(ctx, `
+		UPDATE orders SET status = $2, reason = $3, version = version + 1, updated_at = now()
+		WHERE id = $1 AND status = 'pending'
+		RETURNING id, customer_id, sku, quantity, amount, status, reason, version`,
+		orderID, status, reason).
+		Scan(&ev.OrderID, &ev.CustomerID, &ev.SKU, &ev.Quantity, &ev.Amount, &ev.Status, &ev.Reason, &ev.Version)
+	if errors.Is(err, pgx.ErrNoRows) {
+		// Not pending any more. Behind the barrier this does not happen; if it does, an order
+		// already in the wanted state needs nothing, and anything else is a bug to look at
+		// (the command fails and is redelivered, visible in the logs).
+		var current string
+		if err := tx.QueryRow(ctx, `SELECT status FROM orders WHERE id = $1`, orderID).Scan(&current); err != nil {
+			return fmt.Errorf("order %s: %w", orderID, err)
+		}
+		if current == status {
+			return nil
+		}
+		return fmt.Errorf("order %s is %s, cannot make it %s", orderID, current, status)
+	}
+	if err != nil {
+		return err
+	}
+	ev.Type = eventType
+	return s.publish(ctx, tx, ev)
+}
+
+// publish writes an order event into the outbox, in tx, keyed by the order so that one
+// order's events keep their order.
+func (s *service) publish(ctx context.Context, tx pgx.Tx, ev checkout.OrderEvent) error {
+	payload, err := json.Marshal(ev)
+	if err != nil {
+		return err
+	}
+	msg := outbox.SetPartitionKey(outbox.NewMessage(payload), ev.OrderID)
+	msg.Metadata.Set("type", ev.Type)
+	return s.writer.WriteTx(ctx, tx, s.topics.OrderEvents, msg)
+}

@@ -1,0 +1,62 @@
+package main
+
+import (
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/onceflow/onceflow/examples/internal/checkout"
+	"github.com/onceflow/onceflow/examples/internal/exampletest"
+	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// The service as it runs: a process that takes one direct charge, answers its retry with the
+// stored response, declines a charge over the limit, charges and refunds for a saga, and stops
+// on SIGTERM.
+func TestServesPaymentsAndStops(t *testing.T) {
+	s := exampletest.Start(t, "github.com/onceflow/onceflow/examples/payments", "-limit", "4000")
+	status, _, first := s.Do(t, http.MethodPost, "/payments", `{"amount":700}`, "X-Customer-ID", "alice", "Idempotency-Key", "p-1")
+	if status != http.StatusCreated || !strings.Contains(first, `"external_payment_id":"ch_`) {
+		t.Fatalf("POST /payments: %d %s", status, first)
+	}
+	status, hdr, again := s.Do(t, http.MethodPost, "/payments", `{"amount":700}`, "X-Customer-ID", "alice", "Idempotency-Key", "p-1")
+	if status != http.StatusCreated || again != first || hdr.Get("Idempotent-Replayed") != "true" {
+		t.Fatalf("retry: %d %s, want the first response replayed", status, again)
+	}
+	if status, _, b := s.Do(t, http.MethodPost, "/payments", `{"amount":3500}`, "X-Customer-ID", "alice", "Idempotency-Key", "p-2"); status != http.StatusPaymentRequired {
+		t.Fatalf("a charge over the limit: %d %s, want 402", status, b)
+	}
+	var payments int
+	if err := s.DB.Pool.QueryRow(t.Context(), `SELECT count(*) FROM `+s.DB.Table("payment")).Scan(&payments); err != nil || payments != 1 {
+		t.Fatalf("%d payments (err %v), want 1", payments, err)
+	}
+
+	// The saga side, as the orchestrator drives it: a charge, the same charge again (skipped
+	// by the barrier), then its refund; the provider ends with one charge, refunded.
+	topics := checkout.NewTopics(s.Prefix)
+	charge := outbox.SagaRef{ID: "order-7", Step: "charge", Phase: outbox.SagaPhaseAction, Attempt: 1}
+	cmd := exampletest.Command(t, charge, topics.Replies, checkout.Charge{OrderID: "order-7", CustomerID: "bob", Amount: 2500})
+	s.Produce(t, topics.Charge, cmd)
+	s.Produce(t, topics.Charge, cmd) // a redelivery
+	reply := s.Await(t, topics.Replies, map[string]string{outbox.MetadataSagaID: "order-7", outbox.MetadataSagaPhase: "action"})
+	if got := exampletest.Header(reply, outbox.MetadataSagaOutcome); got != outbox.SagaOutcomeDone {
+		t.Fatalf("charge outcome %q (%s), want done", got, reply.Value)
+	}
+	refund := charge
+	refund.Phase = outbox.SagaPhaseCompensation
+	s.Produce(t, topics.Refund, exampletest.Command(t, refund, topics.Replies, checkout.Refund{OrderID: "order-7"}))
+	s.Await(t, topics.Replies, map[string]string{outbox.MetadataSagaID: "order-7", outbox.MetadataSagaPhase: "compensation"})
+	var paymentStatus string
+	var requests int
+	var refunded bool
+	err := s.DB.Pool.QueryRow(t.Context(), `SELECT p.status, c.requests, c.refunded FROM `+s.DB.Table("payment")+` p
+		JOIN `+s.DB.Table("fake_provider_charge")+` c ON c.external_id = p.external_payment_id
+		WHERE p.order_id = 'order-7'`).Scan(&paymentStatus, &requests, &refunded)
+	if err != nil || paymentStatus != "refunded" || requests != 1 || !refunded {
+		t.Fatalf("payment %q, provider requests %d, refunded %v (err %v); want refunded, 1, true", paymentStatus, requests, refunded, err)
+	}
+	s.Stop(t)
+}
