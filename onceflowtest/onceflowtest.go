@@ -166,6 +166,15 @@ type Options struct {
 	Kafka KafkaOptions
 	// NoKafka skips Kafka: for programs that only need the database.
 	NoKafka bool
+	// NoDB skips PostgreSQL (Env.DB stays zero): for programs that only need Kafka, or that
+	// use DATABASE_URL's database as it is instead of a throwaway one, e.g. a service that
+	// starts an embedded server only for what is not configured:
+	//
+	//	onceflowtest.Start(ctx, onceflowtest.Options{
+	//		NoDB:    os.Getenv("DATABASE_URL") != "",
+	//		NoKafka: os.Getenv("KAFKA_BROKERS") != "",
+	//	})
+	NoDB bool
 	// Logf receives one line per server saying which one is used (DATABASE_URL, KAFKA_BROKERS,
 	// or the embedded ones, started and stopped), e.g. log.Printf. Default: discard.
 	Logf func(format string, args ...any)
@@ -196,36 +205,11 @@ func Start(ctx context.Context, opts Options) (*Env, error) {
 	if logf == nil {
 		logf = func(string, ...any) {}
 	}
-	url := os.Getenv("DATABASE_URL")
-	switch {
-	case url != "":
-		logf("onceflowtest: PostgreSQL from DATABASE_URL")
-	case !standalone:
-		// The test binary's shared server, stopped by Main (or by testdb.Main in onceflow's
-		// own packages): one cluster for all Examples and tests instead of one each.
-		var tb errTB
-		url = testdb.URL(&tb)
-		if tb.err != nil {
-			return nil, fmt.Errorf("onceflowtest: %w", tb.err)
+	if !opts.NoDB {
+		if err := env.startDB(ctx, logf); err != nil {
+			return nil, errors.Join(err, env.Close())
 		}
-	default:
-		pg, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{Logf: logf})
-		if err != nil {
-			return nil, fmt.Errorf("onceflowtest: %w", err)
-		}
-		env.closers = append(env.closers, func() error {
-			logf("onceflowtest: stopping the embedded PostgreSQL")
-			return pg.Stop()
-		})
-		url = pg.URL()
 	}
-	db, drop, err := newDatabase(ctx, url)
-	if err != nil {
-		return nil, errors.Join(fmt.Errorf("onceflowtest: %w", pgsql.RedactError(err, url)), env.Close())
-	}
-	env.DB = *db
-	env.closers = append(env.closers, drop)
-	logf("onceflowtest: database %s created, onceflow schema migrated", db.Name)
 	if !opts.NoKafka {
 		k, err := startKafka(ctx, opts.Kafka)
 		if err != nil {
@@ -240,6 +224,42 @@ func Start(ctx context.Context, opts Options) (*Env, error) {
 		}
 	}
 	return env, nil
+}
+
+// startDB is Start's PostgreSQL part: a server (DATABASE_URL's, the test binary's shared
+// one, or one of its own) and a migrated database on it. What it started is in e.closers.
+func (e *Env) startDB(ctx context.Context, logf func(string, ...any)) error {
+	url := os.Getenv("DATABASE_URL")
+	switch {
+	case url != "":
+		logf("onceflowtest: PostgreSQL from DATABASE_URL")
+	case !standalone:
+		// The test binary's shared server, stopped by Main (or by testdb.Main in onceflow's
+		// own packages): one cluster for all Examples and tests instead of one each.
+		var tb errTB
+		url = testdb.URL(&tb)
+		if tb.err != nil {
+			return fmt.Errorf("onceflowtest: %w", tb.err)
+		}
+	default:
+		pg, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{Logf: logf})
+		if err != nil {
+			return fmt.Errorf("onceflowtest: %w", err)
+		}
+		e.closers = append(e.closers, func() error {
+			logf("onceflowtest: stopping the embedded PostgreSQL")
+			return pg.Stop()
+		})
+		url = pg.URL()
+	}
+	db, drop, err := newDatabase(ctx, url)
+	if err != nil {
+		return fmt.Errorf("onceflowtest: %w", pgsql.RedactError(err, url))
+	}
+	e.DB = *db
+	e.closers = append(e.closers, drop)
+	logf("onceflowtest: database %s created, onceflow schema migrated", db.Name)
+	return nil
 }
 
 // Close closes the pool, drops the database, closes the Kafka cluster and stops the

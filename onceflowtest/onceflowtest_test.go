@@ -146,6 +146,18 @@ func TestStart(t *testing.T) {
 	if noKafka.Brokers != nil || noKafka.Cluster != nil {
 		t.Fatalf("NoKafka started Kafka: %+v", noKafka.Kafka)
 	}
+
+	noDB, err := onceflowtest.Start(ctx, onceflowtest.Options{NoDB: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer noDB.Close()
+	if noDB.Pool != nil || noDB.DatabaseURL != "" || noDB.Name != "" {
+		t.Fatalf("NoDB created a database: %+v", noDB.DB)
+	}
+	if len(noDB.Brokers) == 0 {
+		t.Fatalf("NoDB started no Kafka: %+v", noDB.Kafka)
+	}
 }
 
 func TestBadKafkaOptions(t *testing.T) {

@@ -46,10 +46,9 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/onceflow/onceflow/examples/internal/platform"
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
-	"github.com/onceflow/onceflow/internal/embedded"
-	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/migrations"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -108,34 +107,21 @@ func run(ctx context.Context, o options) (bool, error) {
 	// Infrastructure: embedded unless configured.
 	suffix := randomHex(4)
 	schema, topic := "demo_"+suffix, "demo.deposits."+suffix
-	pgURL := os.Getenv("DATABASE_URL")
-	if pgURL == "" {
-		pg, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{Durable: true})
-		if err != nil {
-			return false, err
-		}
-		defer func() {
-			if err := pg.Stop(); err != nil {
-				fmt.Fprintln(os.Stderr, "demo: stop embedded postgres:", err)
-			}
-		}()
-		pgURL = pg.URL()
+	infra, err := platform.StartEmbedded(ctx) // through onceflowtest, removed at the end
+	if err != nil {
+		return false, err
+	}
+	defer infra.Stop()
+	pgURL, brokers := infra.DatabaseURL, infra.Brokers
+	if infra.StartedDB {
 		fmt.Println("▸ PostgreSQL: throwaway cluster from the installed binaries (DATABASE_URL unset)")
 	} else {
 		fmt.Println("▸ PostgreSQL: DATABASE_URL")
 	}
-	var brokers []string
-	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
-		brokers = strings.Split(b, ",")
-		fmt.Println("▸ Kafka: KAFKA_BROKERS")
+	if infra.StartedKafka {
+		fmt.Printf("▸ Kafka: in-process kfake, %d partitions (KAFKA_BROKERS unset)\n", platform.Partitions)
 	} else {
-		k, err := embedded.StartKafka(4)
-		if err != nil {
-			return false, err
-		}
-		defer k.Stop()
-		brokers = k.Brokers()
-		fmt.Println("▸ Kafka: in-process kfake, 4 partitions (KAFKA_BROKERS unset)")
+		fmt.Println("▸ Kafka: KAFKA_BROKERS")
 	}
 
 	pool, err := pgxpool.New(ctx, pgURL)
@@ -150,11 +136,11 @@ func run(ctx context.Context, o options) (bool, error) {
 		// On a real server, leave nothing behind; an embedded cluster is removed anyway.
 		cctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		if _, err := pool.Exec(cctx, "DROP SCHEMA IF EXISTS "+pgsql.Ident(schema)+" CASCADE"); err != nil {
+		if _, err := pool.Exec(cctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
 			fmt.Fprintf(os.Stderr, "demo: drop schema %s: %v\n", schema, err)
 		}
 	}()
-	t := func(name string) string { return pgsql.Table(schema, name) }
+	t := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
 	if _, err := pool.Exec(ctx, `
 		CREATE TABLE `+t("account")+` (id text PRIMARY KEY, seq bigint NOT NULL DEFAULT 0, deposited bigint NOT NULL DEFAULT 0);
 		CREATE TABLE `+t("ledger")+` (account text PRIMARY KEY, balance bigint NOT NULL, events bigint NOT NULL,
@@ -327,7 +313,7 @@ func depositTx(ctx context.Context, pool *pgxpool.Pool, w *outbox.Writer, schema
 		for i, acct := range accounts {
 			amount := int64(1 + rnd.IntN(100))
 			var seq int64
-			if err := tx.QueryRow(ctx, `UPDATE `+pgsql.Table(schema, "account")+`
+			if err := tx.QueryRow(ctx, `UPDATE `+pgx.Identifier{schema, "account"}.Sanitize()+`
 				SET seq = seq + 1, deposited = deposited + $2 WHERE id = $1 RETURNING seq`, acct, amount).Scan(&seq); err != nil {
 				return err
 			}
@@ -357,7 +343,7 @@ func startConsumer(ctx context.Context, pool *pgxpool.Pool, schema string, broke
 	}
 	retry := middleware.Retry{MaxRetries: 5, InitialInterval: 50 * time.Millisecond, ResetContextOnRetry: true, ShouldRetry: inbox.ShouldRetry}
 	router.AddMiddleware(retry.Middleware, middleware.Recoverer, ib.Middleware)
-	ledger := pgsql.Table(schema, "ledger")
+	ledger := pgx.Identifier{schema, "ledger"}.Sanitize()
 	router.AddConsumerHandler("ledger", topic, sub, func(msg *message.Message) error {
 		var d deposit
 		if err := json.Unmarshal(msg.Payload, &d); err != nil {
@@ -551,7 +537,7 @@ func (p prefixWriter) Write(b []byte) (int, error) {
 }
 
 func report(ctx context.Context, pool *pgxpool.Pool, schema string, o options, written int64, c *inbox.Counters, r *replayer, relay *relayProc, took time.Duration) (bool, error) {
-	t := func(name string) string { return pgsql.Table(schema, name) }
+	t := func(name string) string { return pgx.Identifier{schema, name}.Sanitize() }
 	var applied, violations, dedupRows, outboxLeft, accountsWrong, accountsTotal int64
 	var deposited, balance int64
 	q := `SELECT

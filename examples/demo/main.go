@@ -129,32 +129,23 @@ func run(ctx context.Context, o options) (bool, error) {
 	// Infrastructure: embedded unless configured. On real servers the run gets schemas and
 	// topics of its own.
 	schemaPrefix, topicPrefix := "", ""
-	dbURL := os.Getenv("DATABASE_URL")
-	if dbURL == "" {
-		url, stop, err := platform.StartPostgres(ctx)
-		if err != nil {
-			return false, err
-		}
-		defer stop()
-		dbURL = url
+	infra, err := platform.StartEmbedded(ctx)
+	if err != nil {
+		return false, err
+	}
+	defer infra.Stop()
+	dbURL, brokers := infra.DatabaseURL, infra.Brokers
+	if infra.StartedDB {
 		fmt.Println("▸ PostgreSQL: a throwaway cluster from the installed binaries (DATABASE_URL unset)")
 	} else {
 		schemaPrefix = "demo_" + randomHex(3) + "_"
 		fmt.Println("▸ PostgreSQL: DATABASE_URL, schemas " + schemaPrefix + "*")
 	}
-	var brokers []string
-	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
-		brokers = strings.Split(b, ",")
+	if infra.StartedKafka {
+		fmt.Printf("▸ Kafka: in-process kfake, %d partitions per topic (KAFKA_BROKERS unset)\n", platform.Partitions)
+	} else {
 		topicPrefix = "demo-" + randomHex(3) + "."
 		fmt.Println("▸ Kafka: KAFKA_BROKERS, topics " + topicPrefix + "*")
-	} else {
-		bs, stop, err := platform.StartKafka()
-		if err != nil {
-			return false, err
-		}
-		defer stop()
-		brokers = bs
-		fmt.Printf("▸ Kafka: in-process kfake, %d partitions per topic (KAFKA_BROKERS unset)\n", platform.Partitions)
 	}
 	s.topics = checkout.NewTopics(topicPrefix)
 	if err := platform.CreateTopics(ctx, brokers, s.topics.All()...); err != nil {

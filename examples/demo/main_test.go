@@ -7,11 +7,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/onceflow/onceflow/internal/testutil"
+	"github.com/onceflow/onceflow/onceflowtest"
 )
 
 // TestMain fails the run when the demo leaves goroutines behind.
-func TestMain(m *testing.M) { testutil.Main(m) }
+func TestMain(m *testing.M) { onceflowtest.Main(m) }
 
 // TestDemo runs a shortened `make demo`, so that the README's first command cannot rot: the
 // four services and three relays as processes, a relay and a participant SIGKILLed, injected

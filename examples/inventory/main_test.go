@@ -5,11 +5,11 @@ import (
 
 	"github.com/onceflow/onceflow/examples/internal/checkout"
 	"github.com/onceflow/onceflow/examples/internal/exampletest"
-	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/onceflowtest"
 	"github.com/onceflow/onceflow/outbox"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { onceflowtest.Main(m) }
 
 // The service as it runs: a process that takes one reserve command from Kafka, answers it on
 // the reply topic (through its outbox and relay), and stops on SIGTERM.
@@ -24,7 +24,7 @@ func TestServesACommandAndStops(t *testing.T) {
 		t.Fatalf("reply outcome %q (%s), want done", outcome, reply.Value)
 	}
 	var left int
-	if err := s.DB.Pool.QueryRow(t.Context(), `SELECT available FROM `+s.DB.Table("stock")+` WHERE sku = 'book'`).Scan(&left); err != nil || left != 998 {
+	if err := s.DB.Pool.QueryRow(t.Context(), `SELECT available FROM `+s.Table("stock")+` WHERE sku = 'book'`).Scan(&left); err != nil || left != 998 {
 		t.Fatalf("book stock %d (err %v), want 998", left, err)
 	}
 	s.Stop(t)

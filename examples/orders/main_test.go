@@ -6,10 +6,10 @@ import (
 	"testing"
 
 	"github.com/onceflow/onceflow/examples/internal/exampletest"
-	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/onceflowtest"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { onceflowtest.Main(m) }
 
 // The service as it runs: a process on its own schema that takes one order, answers a retry
 // with the stored response, shows the order to its owner only, and stops on SIGTERM.

@@ -7,11 +7,11 @@ import (
 
 	"github.com/onceflow/onceflow/examples/internal/checkout"
 	"github.com/onceflow/onceflow/examples/internal/exampletest"
-	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/onceflowtest"
 	"github.com/onceflow/onceflow/outbox"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { onceflowtest.Main(m) }
 
 // The service as it runs: a process that takes one direct charge, answers its retry with the
 // stored response, declines a charge over the limit, charges and refunds for a saga, and stops
@@ -30,7 +30,7 @@ func TestServesPaymentsAndStops(t *testing.T) {
 		t.Fatalf("a charge over the limit: %d %s, want 402", status, b)
 	}
 	var payments int
-	if err := s.DB.Pool.QueryRow(t.Context(), `SELECT count(*) FROM `+s.DB.Table("payment")).Scan(&payments); err != nil || payments != 1 {
+	if err := s.DB.Pool.QueryRow(t.Context(), `SELECT count(*) FROM `+s.Table("payment")).Scan(&payments); err != nil || payments != 1 {
 		t.Fatalf("%d payments (err %v), want 1", payments, err)
 	}
 
@@ -52,8 +52,8 @@ func TestServesPaymentsAndStops(t *testing.T) {
 	var paymentStatus string
 	var requests int
 	var refunded bool
-	err := s.DB.Pool.QueryRow(t.Context(), `SELECT p.status, c.requests, c.refunded FROM `+s.DB.Table("payment")+` p
-		JOIN `+s.DB.Table("fake_provider_charge")+` c ON c.external_id = p.external_payment_id
+	err := s.DB.Pool.QueryRow(t.Context(), `SELECT p.status, c.requests, c.refunded FROM `+s.Table("payment")+` p
+		JOIN `+s.Table("fake_provider_charge")+` c ON c.external_id = p.external_payment_id
 		WHERE p.order_id = 'order-7'`).Scan(&paymentStatus, &requests, &refunded)
 	if err != nil || paymentStatus != "refunded" || requests != 1 || !refunded {
 		t.Fatalf("payment %q, provider requests %d, refunded %v (err %v); want refunded, 1, true", paymentStatus, requests, refunded, err)

@@ -9,11 +9,11 @@ import (
 
 	"github.com/onceflow/onceflow/examples/internal/checkout"
 	"github.com/onceflow/onceflow/examples/internal/exampletest"
-	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/onceflowtest"
 	"github.com/onceflow/onceflow/outbox"
 )
 
-func TestMain(m *testing.M) { testdb.Main(m) }
+func TestMain(m *testing.M) { onceflowtest.Main(m) }
 
 // The service as it runs: a process that applies one OrderCreated event (delivered twice: it
 // counts once), serves the customer's count, and stops on SIGTERM.

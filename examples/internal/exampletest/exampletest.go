@@ -1,5 +1,6 @@
 // Package exampletest runs an example service as a real process in a test: built once,
-// started on the test's PostgreSQL (a fresh schema) and Kafka, stopped with SIGTERM.
+// started on the test's PostgreSQL (a fresh database from onceflowtest, the service's tables
+// in a schema of its own) and Kafka, stopped with SIGTERM.
 package exampletest
 
 import (
@@ -12,30 +13,35 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
 
-	"github.com/onceflow/onceflow/internal/kafkatest"
-	"github.com/onceflow/onceflow/internal/testdb"
-	"github.com/onceflow/onceflow/internal/testutil"
+	"github.com/onceflow/onceflow/examples/internal/platform"
+	"github.com/onceflow/onceflow/onceflowtest"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
 // Service is a running example process.
 type Service struct {
-	Addr    string     // its HTTP address
-	DB      *testdb.DB // its schema (DB.Schema) on the test server
-	Brokers []string   // the Kafka it uses
-	Prefix  string     // its topic prefix, unique to the test
+	Addr    string           // its HTTP address
+	DB      *onceflowtest.DB // the test's database; the service's tables are in Schema
+	Schema  string           // the service's schema in DB (its name)
+	Brokers []string         // the Kafka it uses
+	Prefix  string           // its topic prefix, unique to the test
 	cmd     *exec.Cmd
-	out     *testutil.SyncBuffer
+	out     *syncBuffer
 	exited  chan struct{}
 }
+
+// Table qualifies a table of the service's schema, for the test's own queries on DB.Pool.
+func (s *Service) Table(name string) string { return pgx.Identifier{s.Schema, name}.Sanitize() }
 
 // build compiles pkg into the test's temporary directory. Each example has one test, so a
 // test process builds its binary once.
@@ -54,17 +60,18 @@ func build(t *testing.T, pkg string) string {
 func Start(t *testing.T, pkg string, args ...string) *Service {
 	t.Helper()
 	bin := build(t, pkg)
-	s := &Service{DB: testdb.NewEmpty(t), Brokers: kafkatest.Brokers(t, 4), out: &testutil.SyncBuffer{}, exited: make(chan struct{})}
-	s.Prefix = strings.ReplaceAll(s.DB.Schema, "_", "-") + "."
+	s := &Service{DB: onceflowtest.NewDB(t), Schema: filepath.Base(pkg), out: &syncBuffer{}, exited: make(chan struct{})}
+	s.Brokers = onceflowtest.NewKafka(t, onceflowtest.KafkaOptions{Partitions: platform.Partitions}).Brokers
+	s.Prefix = strings.ReplaceAll(s.DB.Name, "_", "-") + "." // the database name is unique
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	s.Addr = l.Addr().String()
 	l.Close()
-	s.cmd = exec.Command(bin, append([]string{"-addr", s.Addr, "-schema", s.DB.Schema, "-topic-prefix", s.Prefix,
+	s.cmd = exec.Command(bin, append([]string{"-addr", s.Addr, "-schema", s.Schema, "-topic-prefix", s.Prefix,
 		"-instance", "test", "-log-level", "warn"}, args...)...)
-	s.cmd.Env = append(os.Environ(), "DATABASE_URL="+s.DB.URL, "KAFKA_BROKERS="+strings.Join(s.Brokers, ","))
+	s.cmd.Env = append(os.Environ(), "DATABASE_URL="+s.DB.DatabaseURL, "KAFKA_BROKERS="+strings.Join(s.Brokers, ","))
 	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
 	if err := s.cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -208,4 +215,23 @@ func Header(r *kgo.Record, key string) string {
 		}
 	}
 	return ""
+}
+
+// syncBuffer is a bytes.Buffer safe for one writer goroutine (the child process's output
+// copier) and concurrent readers (the test printing it on failure).
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }

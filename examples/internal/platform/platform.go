@@ -63,42 +63,27 @@ func (f *Flags) Logger(service string) (*slog.Logger, error) {
 type Infra struct {
 	DatabaseURL string
 	Brokers     []string
-	stops       []func()
+	embedded    *Embedded
 }
 
 // StartInfra uses DATABASE_URL and KAFKA_BROKERS when they are set; otherwise it starts an
 // embedded PostgreSQL and an in-process Kafka (kfake) and says so. Close stops what it started.
 func StartInfra(ctx context.Context, log *slog.Logger) (*Infra, error) {
-	in := &Infra{DatabaseURL: os.Getenv("DATABASE_URL")}
-	if in.DatabaseURL == "" {
-		url, stop, err := StartPostgres(ctx)
-		if err != nil {
-			return nil, err
-		}
-		in.DatabaseURL, in.stops = url, append(in.stops, stop)
+	e, err := StartEmbedded(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if e.StartedDB {
 		log.Info("DATABASE_URL is unset: started a throwaway PostgreSQL (removed on exit)")
 	}
-	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
-		in.Brokers = strings.Split(b, ",")
-	} else {
-		brokers, stop, err := StartKafka()
-		if err != nil {
-			in.Close()
-			return nil, err
-		}
-		in.Brokers, in.stops = brokers, append(in.stops, stop)
-		log.Info("KAFKA_BROKERS is unset: started an in-process Kafka (kfake)", "brokers", strings.Join(brokers, ","))
+	if e.StartedKafka {
+		log.Info("KAFKA_BROKERS is unset: started an in-process Kafka (kfake)", "brokers", strings.Join(e.Brokers, ","))
 	}
-	return in, nil
+	return &Infra{DatabaseURL: e.DatabaseURL, Brokers: e.Brokers, embedded: e}, nil
 }
 
-// Close stops the embedded servers, last started first.
-func (in *Infra) Close() {
-	for i := len(in.stops) - 1; i >= 0; i-- {
-		in.stops[i]()
-	}
-	in.stops = nil
-}
+// Close stops the embedded servers.
+func (in *Infra) Close() { in.embedded.Stop() }
 
 // OpenSchema applies onceflow's migrations to schema, then the service's own DDL (idempotent:
 // CREATE ... IF NOT EXISTS), and returns a pool whose search_path is that schema, so the
