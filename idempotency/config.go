@@ -148,7 +148,9 @@ type Config struct {
 	// Default DefaultProblemBase.
 	ProblemBase string
 
-	// Logger receives storage failures, panics and owner errors. Default slog.Default().
+	// Logger receives storage failures, panics and owner errors (at Error level), and at
+	// Debug level requests whose client went away before the key was claimed. Default
+	// slog.Default().
 	Logger *slog.Logger
 	// Metrics observes the outcome of every covered request that carries a key. Default NopMetrics{}.
 	Metrics Metrics
@@ -167,7 +169,13 @@ const (
 	OutcomeNoBody      Outcome = "not_replayed" // stored without body (over the cap): 410
 	OutcomeRejected    Outcome = "rejected"     // malformed key, missing key, body too large, no owner
 	OutcomeStorageFail Outcome = "storage_error"
-	OutcomePanic       Outcome = "panic" // handler panicked: rolled back, panic propagated
+	// OutcomeCanceled: the request's context was cancelled — the client went away — while the
+	// middleware was taking a connection, beginning the transaction or claiming the key, so
+	// the handler did not run and nothing was stored. Not a storage failure: a client that
+	// hangs up early retries, or does not care. (A client that hangs up after the handler
+	// returned gets OutcomeStored: the response commits on a detached context.)
+	OutcomeCanceled Outcome = "canceled"
+	OutcomePanic    Outcome = "panic" // handler panicked: rolled back, panic propagated
 	// OutcomeTxMisuse: the handler tried to end its transaction with SQL (COMMIT, ROLLBACK, ...),
 	// ended it around the managed view, or answered a stored status with the transaction
 	// aborted by a failed statement: rolled back, nothing stored, 500.

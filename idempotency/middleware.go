@@ -387,19 +387,19 @@ func (m *Middleware) acquireKey(ctx context.Context, w http.ResponseWriter, r *h
 	for pause := waitPollMin; ; pause = min(2*pause, waitPollMax) {
 		pc, err := m.cfg.Pool.Acquire(ctx)
 		if err != nil {
-			m.storageFailure(w, r, start, "acquire connection", err)
+			m.claimFailure(w, r, start, "acquire connection", err)
 			return nil, nil, nil, false
 		}
 		tx, held, rec, err := m.claim(ctx, pc, lock, owner, key)
 		switch {
 		case tx == nil:
 			pc.Release()
-			m.storageFailure(w, r, start, "begin transaction", err)
+			m.claimFailure(w, r, start, "begin transaction", err)
 			return nil, nil, nil, false
 		case err != nil:
 			endTx(ctx, tx)
 			pc.Release()
-			m.storageFailure(w, r, start, "claim key", err)
+			m.claimFailure(w, r, start, "claim key", err)
 			return nil, nil, nil, false
 		case held:
 			return pc, tx, rec, true
@@ -542,6 +542,26 @@ func (m *Middleware) storedHeaders(h http.Header) map[string][]string {
 		}
 	}
 	return out
+}
+
+// claimFailure answers a request whose key could not be claimed: a storage failure, unless
+// the request's context was cancelled, which is the client going away (the failed step is then
+// just the first to notice). Only steps before the handler come here: once it has returned,
+// the response is stored on a context detached from the request's, so a cancellation cannot
+// fail it and a failure there is always the storage's.
+func (m *Middleware) claimFailure(w http.ResponseWriter, r *http.Request, start time.Time, step string, err error) {
+	if !errors.Is(r.Context().Err(), context.Canceled) {
+		m.storageFailure(w, r, start, step, err)
+		return
+	}
+	m.observe(r, OutcomeCanceled, start)
+	m.cfg.Logger.Debug("idempotency: client went away before the request began; nothing ran or was stored",
+		"step", step, "method", r.Method, "path", r.URL.Path, "err", err)
+	// Nobody is likely to read this; should the cancellation have come from elsewhere, the
+	// caller learns that a retry with the same key is safe.
+	w.Header().Set("Retry-After", retryAfterSeconds(m.cfg.RetryAfter))
+	m.writeProblem(w, http.StatusServiceUnavailable, "", "Request cancelled",
+		"The request was cancelled before it began: nothing was executed or kept. Retry the same request with the same key.", nil)
 }
 
 func (m *Middleware) storageFailure(w http.ResponseWriter, r *http.Request, start time.Time, step string, err error) {

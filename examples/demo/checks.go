@@ -101,7 +101,7 @@ func (s *shop) check(ctx context.Context, o options, lost int) ([]row, error) {
 		{"every cancelled order: stock back, no net charge", fmt.Sprintf("%d/%d", v.cancelled-v.cancelledBad, v.cancelled), v.cancelledBad == 0},
 		{"stock left = initial stock − confirmed reservations", fmt.Sprintf("%d/%d products", int64(len(skus))-v.stockBad, len(skus)), v.stockBad == 0},
 		{"clients retried with the same key", fmt.Sprintf("%d replayed; %d got 409 while the first was in flight; %d after a dropped connection (%d never began)",
-			c.replays.Load(), c.inflight.Load(), c.dropped.Load(), s.orders.quieted.Load()), c.replays.Load() > 0 && c.dropped.Load() > 0},
+			c.replays.Load(), c.inflight.Load(), c.dropped.Load(), s.orders.counters.get("http_canceled")), c.replays.Load() > 0 && c.dropped.Load() > 0},
 		{"no Idempotency-Key produced two orders", fmt.Sprintf("%d in the table, %d seen by clients", v.keysTwice, c.keysWithTwoOrders()),
 			v.keysTwice == 0 && c.keysWithTwoOrders() == 0},
 		{"a key reused with another body is refused (422)", fmt.Sprintf("%d/%d", c.reuseRefused.Load(), c.reuses.Load()), c.reuseRefused.Load() == c.reuses.Load()},

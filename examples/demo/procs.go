@@ -10,7 +10,6 @@ import (
 	"os/exec"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -22,9 +21,6 @@ type proc struct {
 	args []string
 	env  []string
 	addr string // services: the HTTP address, for /healthz and /debug/counters
-	// quiet, when set, hides the log lines it returns true for; quieted counts them.
-	quiet   func(line string) bool
-	quieted atomic.Int64
 
 	mu       sync.Mutex
 	cmd      *exec.Cmd
@@ -40,7 +36,7 @@ func (p *proc) start() error {
 	cmd := exec.Command(p.bin, p.args...)
 	cmd.Env = append(os.Environ(), p.env...)
 	cmd.Stdout = io.Discard
-	cmd.Stderr = prefixWriter{prefix: fmt.Sprintf("  [%s] ", p.name), w: os.Stderr, p: p}
+	cmd.Stderr = prefixWriter{prefix: fmt.Sprintf("  [%s] ", p.name), w: os.Stderr}
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("start %s: %w", p.name, err)
 	}
@@ -146,16 +142,11 @@ func freeAddr() (string, error) {
 type prefixWriter struct {
 	prefix string
 	w      io.Writer
-	p      *proc
 }
 
 func (w prefixWriter) Write(b []byte) (int, error) {
 	for _, line := range strings.SplitAfter(string(b), "\n") {
-		switch {
-		case line == "":
-		case w.p.quiet != nil && w.p.quiet(line):
-			w.p.quieted.Add(1)
-		default:
+		if line != "" {
 			fmt.Fprint(w.w, w.prefix+line)
 		}
 	}

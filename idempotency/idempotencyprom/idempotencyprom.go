@@ -20,7 +20,7 @@ import (
 //	onceflow_idempotency_request_seconds{outcome}   time in the middleware, handler included
 //
 // outcome is an idempotency.Outcome: stored, not_stored, replayed, mismatch, in_flight,
-// not_replayed, rejected, storage_error, panic, tx_misuse.
+// not_replayed, rejected, storage_error, canceled, panic, tx_misuse.
 type Metrics struct {
 	requests *prometheus.CounterVec
 	took     *prometheus.HistogramVec
@@ -38,7 +38,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "onceflow", Subsystem: "idempotency", Name: "requests_total",
-			Help: "Requests with an Idempotency-Key by outcome (stored, replayed, in_flight, mismatch, not_stored, not_replayed, rejected, storage_error, panic, tx_misuse).",
+			Help: "Requests with an Idempotency-Key by outcome (stored, replayed, in_flight, mismatch, not_stored, not_replayed, rejected, storage_error, canceled, panic, tx_misuse).",
 		}, []string{"outcome"}),
 		took: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "onceflow", Subsystem: "idempotency", Name: "request_seconds",

@@ -22,7 +22,7 @@ func TestMetrics(t *testing.T) {
 	m.Observe(idempotency.OutcomeReplayed, time.Millisecond)
 	m.Observe(idempotency.OutcomeReplayed, time.Millisecond)
 	want := `
-# HELP onceflow_idempotency_requests_total Requests with an Idempotency-Key by outcome (stored, replayed, in_flight, mismatch, not_stored, not_replayed, rejected, storage_error, panic, tx_misuse).
+# HELP onceflow_idempotency_requests_total Requests with an Idempotency-Key by outcome (stored, replayed, in_flight, mismatch, not_stored, not_replayed, rejected, storage_error, canceled, panic, tx_misuse).
 # TYPE onceflow_idempotency_requests_total counter
 onceflow_idempotency_requests_total{outcome="in_flight"} 0
 onceflow_idempotency_requests_total{outcome="mismatch"} 0
