@@ -59,7 +59,12 @@ func benchDrainChurn(ctx context.Context, e *env) ([]result, error) {
 		done := make(chan error, 1)
 		start := time.Now()
 		go func() { done <- r.Run(rctx) }()
-		defer func() { cancel(); <-done }()
+		defer func() {
+			cancel()
+			if err := <-done; err != nil {
+				e.log.Error("relay", "err", err)
+			}
+		}()
 		for {
 			var n int
 			if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+pgsql.Table(schema, "outbox")).Scan(&n); err != nil {
