@@ -57,7 +57,11 @@ func blockKeyOf(key string, id int64) string {
 	return "i" + strconv.FormatInt(id, 10)
 }
 
-// fail records a failure of the chain's head m, the chain's first row still pending.
+// fail records a failure of the chain's head m, the chain's first row still pending. A chain
+// already tracked keeps its floor when it is lower: nothing of it was delivered since (that
+// forgets the entry), so a row below m may still be pending — m can be the first row this
+// batch got to send, not the chain's first (an abandoned send, a row sent alone before it).
+// A floor too low costs a longer retry claim; one too high would let m go out before it.
 // failures overrides the in-memory count when larger (a row's persisted attempt count survives
 // restarts). It returns the wait, or 0 when the list is full and the chain is not tracked.
 func (b *blockList) fail(m *Message, failures int, now time.Time) time.Duration {
@@ -66,10 +70,10 @@ func (b *blockList) fail(m *Message, failures int, now time.Time) time.Duration 
 		if len(b.entries) >= maxBlocked {
 			return 0
 		}
-		e = &blockEntry{key: m.Key, id: m.ID}
+		e = &blockEntry{key: m.Key, id: m.ID, floor: m.ID}
 		b.entries[m.blockKey] = e
 	}
-	e.floor = m.ID
+	e.floor = min(e.floor, m.ID)
 	e.failures++
 	if failures > e.failures {
 		e.failures = failures
@@ -77,6 +81,31 @@ func (b *blockList) fail(m *Message, failures int, now time.Time) time.Duration 
 	d := backoffDelay(b.base, b.max, e.failures, rand.Float64())
 	e.until = now.Add(d)
 	return d
+}
+
+// holdUntil blocks the chain of m, its first row still pending, until at least until,
+// without counting a failure (its topic is closed, see topicGate).
+func (b *blockList) holdUntil(m *Message, until time.Time) {
+	e, ok := b.entries[m.blockKey]
+	if !ok {
+		if len(b.entries) >= maxBlocked {
+			return
+		}
+		e = &blockEntry{key: m.Key, id: m.ID, floor: m.ID}
+		b.entries[m.blockKey] = e
+	}
+	e.floor = min(e.floor, m.ID)
+	if until.After(e.until) {
+		e.until = until
+	}
+}
+
+// lowerFloor makes a tracked chain start at id at the latest (untracked chains are left
+// alone: their rows come through cursor claims).
+func (b *blockList) lowerFloor(blockKey string, id int64) {
+	if e, ok := b.entries[blockKey]; ok && id < e.floor {
+		e.floor = id
+	}
 }
 
 // ok forgets the chain: its head was delivered or parked.

@@ -42,7 +42,7 @@ func TestFailureSummary(t *testing.T) {
 		if !down.Load() {
 			return nil, nil, false
 		}
-		return produceErrorResponse(req.(*kmsg.ProduceRequest), kerr.TopicAuthorizationFailed.Code), nil, true
+		return produceErrorResponse(req.(*kmsg.ProduceRequest), kerr.ClusterAuthorizationFailed.Code), nil, true
 	})
 	want := writeEvents(t, db, topic, 40, 4, 10)
 	startRelay(t, r)
@@ -69,7 +69,7 @@ func TestFailureSummary(t *testing.T) {
 		if e["msg"] == "relay: publishing keeps failing" {
 			summaries++
 			cause, _ := e["cause1"].(map[string]any)
-			if cause["topic"] != topic || !strings.Contains(cause["err"].(string), "TOPIC_AUTHORIZATION_FAILED") || cause["count"].(float64) < 1 {
+			if cause["topic"] != topic || !strings.Contains(cause["err"].(string), "CLUSTER_AUTHORIZATION_FAILED") || cause["count"].(float64) < 1 {
 				t.Errorf("summary without topic, error or count: %s", line)
 			}
 			if _, ok := e["oldest_failing_row_age"]; !ok {

@@ -125,8 +125,9 @@ func TestBrokerFaults(t *testing.T) {
 	}
 }
 
-// TestBrokerOutage: while every produce request is refused (here: the relay's ACL was removed,
-// which the producer reports at once, and the relay treats as transient), rows stay in the
+// TestBrokerOutage: while every produce request is refused (here: the relay lost its
+// cluster-level ACL, CLUSTER_AUTHORIZATION_FAILED, which the producer reports at once and the
+// relay treats as transient, unlike a refusal of one topic), rows stay in the
 // outbox and the relay backs off instead of hammering the broker; when the broker accepts
 // again, everything is delivered in order and nothing was parked.
 func TestBrokerOutage(t *testing.T) {
@@ -150,7 +151,7 @@ func TestBrokerOutage(t *testing.T) {
 		if !down.Load() {
 			return nil, nil, false
 		}
-		return produceErrorResponse(req.(*kmsg.ProduceRequest), kerr.TopicAuthorizationFailed.Code), nil, true
+		return produceErrorResponse(req.(*kmsg.ProduceRequest), kerr.ClusterAuthorizationFailed.Code), nil, true
 	})
 	during := writeEventsPrefix(t, db, topic, 200, 8, 20, "during-")
 	rec.waitFor(t, 30*time.Second, "the first failed batch", func(r *recorder) bool { return r.failCalls > 0 })

@@ -182,8 +182,13 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 	defer stop()
 
 	if snap.gen != r.cur.gen {
-		// Shards were acquired: their rows below the cursor were never looked at.
+		// Shards were acquired: their rows below the cursor were never looked at. The floors of
+		// the blocked chains go back to the start too: while a chain's shard was away, retry
+		// claims (which only read owned shards) saw none of its rows and moved its floor past
+		// rows that are still pending; kept, that floor would let the chain's later rows go
+		// out before them once the shard is back.
 		r.cur = cursor{gen: snap.gen}
+		r.blocked.lowerFloors(0)
 	}
 	now := time.Now()
 	blocked := r.blocked.plan(now)
@@ -310,6 +315,22 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 	}
 	for _, m := range res.transientMsgs {
 		r.blocked.fail(m, 0, now)
+	}
+	for _, h := range res.held {
+		r.blocked.holdUntil(h.msg, h.until)
+	}
+	// Whatever happened to each row, the floor of a tracked chain must not pass a row of it
+	// that is still pending: its later rows would be retried, and delivered, before it.
+	if len(r.blocked.entries) > 0 {
+		acked := make(map[int64]bool, len(res.ackedIDs))
+		for _, id := range res.ackedIDs {
+			acked[id] = res.deleted
+		}
+		for _, m := range msgs {
+			if !acked[m.ID] {
+				r.blocked.lowerFloor(m.blockKey, m.ID)
+			}
+		}
 	}
 }
 

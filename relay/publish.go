@@ -16,6 +16,9 @@ type result struct {
 	transientMsgs []*Message
 	transient     int
 	parkedIDs     []int64
+	// held are rows not sent because their topic is closed (topicGate), the first of each
+	// chain, with until when the topic stays closed.
+	held []heldMsg
 	// deleted is false when deleting the acknowledged rows failed (they stay in the outbox).
 	deleted bool
 }
@@ -23,6 +26,11 @@ type result struct {
 type culprit struct {
 	msg *Message
 	err error
+}
+
+type heldMsg struct {
+	msg   *Message
+	until time.Time
 }
 
 // publish sends a claimed batch through the sink and classifies every row.
@@ -55,7 +63,9 @@ func (r *Relay) publish(ctx context.Context, msgs []*Message) *result {
 				failed[m.blockKey] = true
 				res.culprits = append(res.culprits, culprit{m, Undeliverable(m.badMetadata)})
 			}
-		case m.Attempts > 0:
+		case m.Attempts > 0 && !r.topics.known(m.Topic):
+			// (A row of a topic refused as a whole goes with the others: they all fail or
+			// succeed together, and one at a time a probe would charge a single row.)
 			flush()
 			r.send(ctx, []*Message{m}, failed, res)
 		default:
@@ -69,13 +79,25 @@ func (r *Relay) publish(ctx context.Context, msgs []*Message) *result {
 // send publishes msgs minus the chains that already failed in this batch, and bisects
 // ambiguous undeliverable failures.
 func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]bool, res *result) {
-	todo := make([]*Message, 0, len(msgs))
-	for _, m := range msgs {
-		if !failed[m.blockKey] {
-			todo = append(todo, m)
-		}
+	if ctx.Err() != nil {
+		return // abandoned: nothing of it is sent, held or charged
 	}
-	if len(todo) == 0 || ctx.Err() != nil {
+	todo := make([]*Message, 0, len(msgs))
+	now := time.Now()
+	for _, m := range msgs {
+		if failed[m.blockKey] {
+			continue
+		}
+		if until := r.topics.closedUntil(m.Topic, now); !until.IsZero() {
+			// The broker refused the topic as a whole moments ago: do not make this batch wait
+			// for the same refusal. The chain waits until the topic may be tried again.
+			failed[m.blockKey] = true
+			res.held = append(res.held, heldMsg{m, until})
+			continue
+		}
+		todo = append(todo, m)
+	}
+	if len(todo) == 0 {
 		return
 	}
 	errs := make([]error, len(todo))
@@ -89,10 +111,25 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 	var undeliv []*Message
 	var undelivErr []error
 	acked, transient := 0, 0
+	refusedTopics := map[string]error{}
 	for i, m := range todo {
 		err := errs[i]
+		topic, topicRefused := topicOf(err)
 		switch {
+		case topicRefused && IsUndeliverable(err):
+			// The whole topic is refused: no culprit to search for, every row sent was refused
+			// for the same reason. The first row of each chain is charged an attempt.
+			refusedTopics[topic] = err
+			if !failed[m.blockKey] && !abandoned {
+				res.culprits = append(res.culprits, culprit{m, err})
+				r.m.Failed(FailureUndeliverable, 1)
+				r.flog.add(m, err, true, time.Now())
+			}
+			failed[m.blockKey] = true
 		case err == nil:
+			if len(r.topics.closed) > 0 {
+				r.topics.delivered(m.Topic)
+			}
 			if failed[m.blockKey] {
 				// A sink broke its contract: this key may now be out of order in the broker.
 				r.log.Error("relay: sink acknowledged a message after an earlier message of the same key failed in the same call; per-key order may be broken",
@@ -117,6 +154,9 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 			transient++
 		}
 	}
+	for topic, err := range refusedTopics {
+		r.topics.refused(topic, err, time.Now())
+	}
 	if acked > 0 {
 		r.m.Published(acked, took)
 	}
@@ -136,8 +176,21 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 		}
 		return
 	}
-	// Several messages failed together: find out which one(s) the broker really refuses.
+	// Several messages failed together: find out which one(s) the broker really refuses. A
+	// held-back row of the same chain in this call already marked the chain failed; that mark
+	// must not keep the chain's head out of the halves (it would never be charged, and a
+	// broker that rejects its whole batch every time would never get it parked), so the marks
+	// are lifted for the halves and put back after them for every chain with a row this call
+	// did not deliver.
+	for _, m := range undeliv {
+		delete(failed, m.blockKey)
+	}
 	h := len(undeliv) / 2
 	r.send(ctx, undeliv[:h], failed, res)
 	r.send(ctx, undeliv[h:], failed, res)
+	for i, m := range todo {
+		if errs[i] != nil {
+			failed[m.blockKey] = true
+		}
+	}
 }

@@ -47,6 +47,7 @@ type Relay struct {
 	listening atomic.Bool
 	tr        *tracing.Tracer // send spans (trace.go)
 	flog      *failureLog     // publish failures, summed up (failurelog.go)
+	topics    *topicGate      // topics the broker refused as a whole (topicgate.go)
 }
 
 // New validates cfg, reporting every problem at once (*ConfigError), and returns a relay
@@ -83,6 +84,7 @@ func New(cfg Config) (*Relay, error) {
 		wake:    make(chan struct{}, 1),
 		tr:      tracing.New(cfg.TracerProvider, cfg.Propagator),
 		flog:    newFailureLog(cfg.Logger, cfg.FailureLogInterval),
+		topics:  newTopicGate(cfg.RetryBackoff, cfg.MaxRetryBackoff),
 	}
 	r.cfg.Logger = r.log
 	r.leases = newLeases(r.cfg, pool, q, r.m)

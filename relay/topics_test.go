@@ -33,8 +33,8 @@ func TestKeyOrderAcrossTopics(t *testing.T) {
 	k := kafkatest.Fake(t, 1)
 	brokers := k.Brokers()
 	topicA, topicB := kafkatest.Topic("across-a"), kafkatest.Topic("across-b")
-	// Topic A refuses every produce request (a missing ACL: the relay treats it as transient);
-	// topic B, in the same produce requests, works.
+	// Topic A refuses every produce request (a missing ACL: the topic is refused as a whole,
+	// relay.TopicError); topic B, in the same produce requests, works.
 	refuseA := k.Cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicA, Err: kerr.TopicAuthorizationFailed, Count: -1})
 
 	first := writeOne(t, db, topicA, "K", []byte("k/0"))
@@ -44,10 +44,11 @@ func TestKeyOrderAcrossTopics(t *testing.T) {
 	ca, cb := newConsumer(t, brokers, topicA), newConsumer(t, brokers, topicB)
 	rec := newRecorder()
 	startRelay(t, newKafkaRelayWith(t, db, relaykafka.Config{Brokers: brokers, Opts: fastRetries},
-		relay.Config{Metrics: rec, RetryBackoff: 20 * time.Millisecond, MaxRetryBackoff: 200 * time.Millisecond}))
+		// Refusals count toward parking; none may park here (parking breaks order by design).
+		relay.Config{Metrics: rec, RetryBackoff: 20 * time.Millisecond, MaxRetryBackoff: 200 * time.Millisecond, MaxAttempts: 1000}))
 
-	// Two failed publish calls: the first batch, with its deletes, is over.
-	rec.waitFor(t, 30*time.Second, "two failed publish calls", func(r *recorder) bool { return r.failed[relay.FailureTransient] >= 2 })
+	// Two refusals: the first batch, with its deletes, is over.
+	rec.waitFor(t, 30*time.Second, "two refusals", func(r *recorder) bool { return r.failed[relay.FailureUndeliverable] >= 2 })
 	var left int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Table("outbox")+` WHERE event_id = ANY($1::uuid[])`, []string{second.UUID, third.UUID}).Scan(&left); err != nil {
 		t.Fatal(err)

@@ -99,15 +99,21 @@ func varintLen(v int) int {
 	return n
 }
 
-// classify maps a producer error to the relay's two kinds: undeliverable (counts toward the
-// attempt limit) or transient (retried with backoff forever).
-func classify(err error) error {
+// classify maps a producer error for a record of topic to the relay's kinds: undeliverable
+// (counts toward the attempt limit), the topic refused as a whole (undeliverable too, and the
+// relay stops sending the topic for a while: relay.TopicError), or transient (retried with
+// backoff forever).
+func classify(err error, topic string) error {
 	if err == nil {
 		return nil
 	}
 	var ke *kerr.Error
 	if errors.As(err, &ke) {
 		switch ke {
+		case kerr.UnknownTopicOrPartition, kerr.TopicAuthorizationFailed:
+			// A missing topic (not auto-created) or a missing ACL: every record of the topic is
+			// refused until someone creates it or grants access.
+			return relay.UnwritableTopic(topic, err)
 		case kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidRecord, kerr.CorruptMessage,
 			kerr.InvalidTopicException, kerr.PolicyViolation, kerr.InvalidTimestamp,
 			kerr.UnsupportedForMessageFormat:

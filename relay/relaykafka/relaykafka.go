@@ -294,10 +294,10 @@ func (s *Sink) publishRound(ctx context.Context, msgs []*relay.Message, idx []in
 		if errs[i] == nil {
 			select {
 			case <-done:
-				errs[i] = classify(results[i])
+				errs[i] = classify(results[i], msgs[i].Topic)
 			default:
 				if results[i] != nil {
-					errs[i] = classify(results[i])
+					errs[i] = classify(results[i], msgs[i].Topic)
 				} else {
 					// Unresolved, or resolved successfully after we stopped waiting: either way
 					// the row stays and is sent again; a duplicate carries the same event id.

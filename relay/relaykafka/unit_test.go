@@ -22,17 +22,17 @@ func TestClassify(t *testing.T) {
 		{kerr.RecordListTooLarge, true},
 		{kerr.NotLeaderForPartition, false},
 		{kerr.RequestTimedOut, false},
-		{kerr.UnknownTopicOrPartition, false},  // a missing topic may be created: keep retrying
-		{kerr.TopicAuthorizationFailed, false}, // fixed by an ACL change, not by parking
+		{kerr.UnknownTopicOrPartition, true},  // the topic as a whole (relay.TopicError)
+		{kerr.TopicAuthorizationFailed, true}, // likewise: a missing ACL
 		{kgo.ErrRecordTimeout, false},
 		{errors.New("dial tcp: connection refused"), false},
 	}
 	for _, c := range cases {
-		if got := relay.IsUndeliverable(classify(c.err)); got != c.undeliverable {
+		if got := relay.IsUndeliverable(classify(c.err, "t")); got != c.undeliverable {
 			t.Errorf("classify(%v) undeliverable = %v, want %v", c.err, got, c.undeliverable)
 		}
 	}
-	if classify(nil) != nil {
+	if classify(nil, "t") != nil {
 		t.Fatal("nil error classified as a failure")
 	}
 }
@@ -55,5 +55,19 @@ func TestValidTopic(t *testing.T) {
 		if err := validTopic(bad); !errors.Is(err, ErrInvalidTopic) {
 			t.Errorf("validTopic(%q) = %v, want ErrInvalidTopic", bad, err)
 		}
+	}
+}
+
+// A whole-topic refusal names its topic, so the relay can stop sending that topic alone.
+func TestClassifyTopicRefusal(t *testing.T) {
+	for _, e := range []error{kerr.UnknownTopicOrPartition, kerr.TopicAuthorizationFailed} {
+		var te *relay.TopicError
+		if err := classify(e, "orders"); !errors.As(err, &te) || te.Topic != "orders" || !errors.Is(err, e) {
+			t.Errorf("classify(%v) = %v, want a relay.TopicError for topic orders wrapping it", e, err)
+		}
+	}
+	var te *relay.TopicError
+	if errors.As(classify(kerr.MessageTooLarge, "orders"), &te) {
+		t.Error("a per-message refusal classified as a topic refusal")
 	}
 }
