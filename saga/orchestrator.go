@@ -369,7 +369,7 @@ func (o *Orchestrator) postpone(ctx context.Context, sagaID, kind string) error 
 	return err
 }
 
-func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (int, error) {
+func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (_ int, err error) {
 	tx, err := o.cfg.Pool.Begin(ctx)
 	if err != nil {
 		return 0, fmt.Errorf("saga: begin transaction: %w", err)
@@ -380,11 +380,17 @@ func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (int, error) {
 		return 0, err
 	}
 	type done struct {
-		in  *instance
-		fx  *effects
-		now time.Time
+		in   *instance
+		fx   *effects
+		now  time.Time
+		span trace.Span
 	}
 	var fired []done
+	defer func() {
+		for _, f := range fired {
+			endMessage(f.span, err)
+		}
+	}()
 	for _, d := range dues {
 		in, now, err := o.st.load(ctx, tx, d.sagaID, true)
 		if err != nil {
@@ -400,11 +406,13 @@ func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (int, error) {
 			return 0, fmt.Errorf("saga: delete timer: %w", err)
 		}
 		t := d.t
-		fx, err := o.apply(ctx, tx, def, in, now, event{timer: &t})
+		tctx, span := startTimer(ctx, o.tr, in, t)
+		fx, err := o.apply(tctx, tx, def, in, now, event{timer: &t})
+		fired = append(fired, done{in, fx, now, span})
 		if err != nil {
 			return 0, &timerError{d.sagaID, d.t.Kind, err}
 		}
-		fired = append(fired, done{in, fx, now})
+		noteTransition(tctx, in, fx)
 	}
 	if err := commit(ctx, tx); err != nil {
 		return 0, err

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -68,8 +69,11 @@ func StartTx[D any](ctx context.Context, tx pgx.Tx, def *Definition[D], data D, 
 		return "", err
 	}
 	now := time.Now()
+	// The caller's span context, so transitions no message carries (timers) join its trace.
+	wc := w.Config()
 	in := &instance{ID: o.id, Name: def.Name(), Version: def.Version(), State: StateRunning, Attempt: 1,
-		Waiting: waitReply, Data: raw, Steps: make([]StepHistory, len(def.steps))}
+		Waiting: waitReply, Data: raw, Steps: make([]StepHistory, len(def.steps)),
+		Trace: tracing.New(wc.TracerProvider, wc.Propagator).Inject(ctx, nil)}
 	for i, s := range def.steps {
 		in.Steps[i] = StepHistory{Name: s.name, Status: stepPending}
 	}

@@ -61,6 +61,8 @@ type instance struct {
 	Error     string
 	CreatedAt time.Time
 	UpdatedAt time.Time
+	// Trace is the W3C trace context StartTx's caller was in (see startTimer).
+	Trace map[string]string
 }
 
 // StepHistory is the history of one step of a saga, stored as JSON with it and shown by

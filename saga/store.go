@@ -22,11 +22,11 @@ type store struct {
 
 func newStore(schema string) store {
 	sagaT, timerT := pgsql.Table(schema, "saga"), pgsql.Table(schema, "saga_timer")
-	cols := `id, name, version, state, step, attempt, budget, waiting, data, steps, error, created_at, updated_at`
+	cols := `id, name, version, state, step, attempt, budget, waiting, data, steps, error, created_at, updated_at, trace`
 	return store{
 		schema: schema,
-		insert: `INSERT INTO ` + sagaT + ` (id, name, version, state, step, attempt, budget, waiting, data, steps)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (id) DO NOTHING`,
+		insert: `INSERT INTO ` + sagaT + ` (id, name, version, state, step, attempt, budget, waiting, data, steps, trace)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (id) DO NOTHING`,
 		selectOne: `SELECT ` + cols + `, now() FROM ` + sagaT + ` WHERE id = $1`,
 		// now() comes along: transitions compute timer deadlines on the database clock, the
 		// one the timer claim compares them with.
@@ -55,7 +55,11 @@ func (st store) insertTx(ctx context.Context, tx pgx.Tx, in *instance) (bool, er
 	if err != nil {
 		return false, err
 	}
-	tag, err := tx.Exec(ctx, st.insert, in.ID, in.Name, in.Version, in.State, in.Step, in.Attempt, in.Budget, in.Waiting, in.Data, steps)
+	trace := in.Trace
+	if trace == nil {
+		trace = map[string]string{}
+	}
+	tag, err := tx.Exec(ctx, st.insert, in.ID, in.Name, in.Version, in.State, in.Step, in.Attempt, in.Budget, in.Waiting, in.Data, steps, trace)
 	if err != nil {
 		return false, fmt.Errorf("saga: insert saga %q into %s.saga: %w", in.ID, st.schema, st.explain(err))
 	}
@@ -92,7 +96,7 @@ func (st store) scan(row pgx.Row, id string) (*instance, time.Time, error) {
 	var steps []byte
 	var now time.Time
 	err := row.Scan(&in.ID, &in.Name, &in.Version, &in.State, &in.Step, &in.Attempt, &in.Budget,
-		&in.Waiting, &in.Data, &steps, &in.Error, &in.CreatedAt, &in.UpdatedAt, &now)
+		&in.Waiting, &in.Data, &steps, &in.Error, &in.CreatedAt, &in.UpdatedAt, &in.Trace, &now)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, now, errNoSaga
 	}

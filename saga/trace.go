@@ -2,6 +2,7 @@ package saga
 
 import (
 	"context"
+	"strconv"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/trace"
@@ -14,8 +15,7 @@ import (
 // the orchestrator, a command at a participant — whose parent is the message's creation
 // context from its metadata. The saga's messages thus chain into one trace: the request that
 // started the saga, each command, its reply, the transition it caused and the next command.
-// Timer-fired transitions (timeouts, re-sends) start no span: the saga row keeps no trace
-// context to continue.
+// Timer-fired transitions have their span from startTimer.
 func startMessage(tr *tracing.Tracer, msg *message.Message, ref outbox.SagaRef, consumer string) (context.Context, trace.Span) {
 	ctx := msg.Context()
 	if !tr.Enabled() {
@@ -63,4 +63,26 @@ func noteTransition(ctx context.Context, in *instance, fx *effects) {
 	if fx.stale != "" {
 		span.AddEvent("saga event ignored: " + fx.stale)
 	}
+}
+
+// startTimer starts the span of a transition no message carries — a timer that fired: a
+// step's timeout or re-send, the saga's deadline, an operator's retry or compensate — in the
+// saga's trace: its parent is the span context StartTx's caller was in, stored with the saga
+// (saga.trace), so the commands the transition sends continue that trace too.
+func startTimer(ctx context.Context, tr *tracing.Tracer, in *instance, t timer) (context.Context, trace.Span) {
+	if !tr.Enabled() {
+		return ctx, trace.SpanFromContext(context.Background())
+	}
+	ctx, span := tr.Start(tr.Extract(ctx, in.Trace), tracing.Internal, "saga timer", t.Action)
+	if span.IsRecording() {
+		span.SetAttributes(
+			tracing.SagaID.String(in.ID),
+			tracing.SagaName.String(in.Name),
+			tracing.SagaEvent.String(t.Kind+" "+t.Action),
+		)
+		if t.Kind == "step" {
+			span.SetAttributes(tracing.SagaStep.String(strconv.Itoa(t.Step)))
+		}
+	}
+	return ctx, span
 }

@@ -2,7 +2,9 @@ package saga_test
 
 import (
 	"context"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -82,5 +84,72 @@ func TestSagaTransitionsAreSpansOfTheSagasTrace(t *testing.T) {
 	}
 	if len(states) != 3 || states[2] != string(saga.StateCompleted) {
 		t.Errorf("transition states %v, want 3 ending with completed", states)
+	}
+}
+
+// A transition no message carries — here a step's reply timeout — is a span in the saga's
+// trace too: its parent is the request that started the saga (stored with the saga row), and
+// the command it re-sends is created under it. Before, timer-fired transitions started no span
+// and their commands began a trace of their own.
+func TestTimerTransitionsAreInTheSagasTrace(t *testing.T) {
+	t.Parallel()
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	w := newWorld(t, timeoutDef(t, 50*time.Millisecond), "reserve")
+	o, err := saga.NewOrchestrator(saga.OrchestratorConfig{Pool: w.db.Pool, Schema: w.db.Schema, TracerProvider: tp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := saga.Register(o, w.def); err != nil {
+		t.Fatal(err)
+	}
+	writer, err := outbox.NewWriter(outbox.Config{Schema: w.db.Schema, TracerProvider: tp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, request := tp.Tracer("test").Start(context.Background(), "POST /checkout")
+	err = pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error {
+		_, err := saga.StartTx(ctx, tx, w.def, Checkout{Order: "o-timer", Amount: 7}, saga.WithID("o-timer"), saga.WithWriter(writer))
+		return err
+	})
+	request.End()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Nobody answers cmd.reserve: the timeout fires and re-sends attempt 2.
+	deadline := time.Now().Add(20 * time.Second)
+	for w.attemptsSent("o-timer")["2"] == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the timeout never re-sent the command")
+		}
+		if _, err := o.FireDue(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	traceID := request.SpanContext().TraceID()
+	var timerSpan sdktrace.ReadOnlySpan
+	spans := exp.GetSpans().Snapshots()
+	for _, s := range spans {
+		if strings.HasPrefix(s.Name(), "saga timer") {
+			timerSpan = s
+		}
+	}
+	if timerSpan == nil {
+		t.Fatalf("no saga timer span among %d spans", len(spans))
+	}
+	if timerSpan.SpanContext().TraceID() != traceID || timerSpan.Parent().SpanID() != request.SpanContext().SpanID() {
+		t.Fatalf("timer span %q: trace %s parent %s, want the request's trace %s and span %s", timerSpan.Name(),
+			timerSpan.SpanContext().TraceID(), timerSpan.Parent().SpanID(), traceID, request.SpanContext().SpanID())
+	}
+	var resent bool
+	for _, s := range spans {
+		if strings.HasPrefix(s.Name(), "create") && s.Parent().SpanID() == timerSpan.SpanContext().SpanID() {
+			resent = true
+		}
+	}
+	if !resent {
+		t.Fatal("the re-sent command's create span is not a child of the timer span")
 	}
 }
