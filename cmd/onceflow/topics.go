@@ -90,20 +90,38 @@ func parseInterspersed(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
-// adminClient connects an admin client with the command's Kafka flags, or returns every bad
-// setting.
-func (k *kafkaFlags) adminClient() (*kadm.Client, relaykafka.Config, []string) {
-	cfg, problems := k.config()
+// adminSession is a connected admin client and the context its requests run under.
+type adminSession struct {
+	adm    *kadm.Client
+	cfg    relaykafka.Config
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+func (s *adminSession) close() { s.cancel(); s.adm.Close() }
+
+// openAdmin checks the command's settings — problems found so far, --timeout and the Kafka
+// flags — and reports every bad one at once, or connects an admin client whose requests are
+// bounded by timeout (and warns about PLAIN without TLS).
+func (c *cli) openAdmin(ctx context.Context, k *kafkaFlags, problems []string, timeout time.Duration) (*adminSession, error) {
+	if timeout <= 0 {
+		problems = append(problems, fmt.Sprintf("--timeout %s: use a positive duration", timeout))
+	}
+	cfg, kproblems := k.config()
 	opts, err := cfg.ClientOpts()
-	problems = appendProblems(problems, err)
+	problems = appendProblems(append(problems, kproblems...), err)
 	if len(problems) > 0 {
-		return nil, cfg, problems
+		return nil, fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
 	}
 	cl, err := kgo.NewClient(opts...)
 	if err != nil {
-		return nil, cfg, []string{fmt.Sprintf("create Kafka client: %v", err)}
+		return nil, fmt.Errorf("create Kafka client: %w", err)
 	}
-	return kadm.NewClient(cl), cfg, nil
+	if k.plainWithoutTLS() {
+		fmt.Fprintln(c.stderr, "warning: "+plainWithoutTLSWarning)
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	return &adminSession{adm: kadm.NewClient(cl), cfg: cfg, ctx: ctx, cancel: cancel}, nil
 }
 
 func (c *cli) topicsCreate(ctx context.Context, args []string) error {
@@ -136,22 +154,12 @@ later moves keys to other partitions.`)
 	if *replication == 0 || *replication < -1 || *replication > math.MaxInt16 {
 		problems = append(problems, fmt.Sprintf("--replication-factor %d: use 1 to the number of brokers (or -1 for the brokers' default)", *replication))
 	}
-	if *timeout <= 0 {
-		problems = append(problems, fmt.Sprintf("--timeout %s: use a positive duration", *timeout))
+	sess, err := c.openAdmin(ctx, kafka, problems, *timeout)
+	if err != nil {
+		return err
 	}
-	adm, cfg, kproblems := kafka.adminClient()
-	if problems = append(problems, kproblems...); len(problems) > 0 {
-		if adm != nil {
-			adm.Close()
-		}
-		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
-	}
-	defer adm.Close()
-	if kafka.plainWithoutTLS() {
-		fmt.Fprintln(c.stderr, "warning: "+plainWithoutTLSWarning)
-	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
-	defer cancel()
+	defer sess.close()
+	adm, cfg, ctx := sess.adm, sess.cfg, sess.ctx
 
 	resps, err := adm.CreateTopics(ctx, int32(*partitions), int16(*replication), configs, topics...)
 	if err != nil {
@@ -240,22 +248,12 @@ and replication factor. A named topic that does not exist is listed as missing (
 		return err
 	}
 	problems := env.problems
-	if *timeout <= 0 {
-		problems = append(problems, fmt.Sprintf("--timeout %s: use a positive duration", *timeout))
+	sess, err := c.openAdmin(ctx, kafka, problems, *timeout)
+	if err != nil {
+		return err
 	}
-	adm, cfg, kproblems := kafka.adminClient()
-	if problems = append(problems, kproblems...); len(problems) > 0 {
-		if adm != nil {
-			adm.Close()
-		}
-		return fmt.Errorf("invalid settings:\n  - %s", strings.Join(problems, "\n  - "))
-	}
-	defer adm.Close()
-	if kafka.plainWithoutTLS() {
-		fmt.Fprintln(c.stderr, "warning: "+plainWithoutTLSWarning)
-	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
-	defer cancel()
+	defer sess.close()
+	adm, cfg, ctx := sess.adm, sess.cfg, sess.ctx
 	details, err := adm.ListTopics(ctx, topics...)
 	if err != nil {
 		return fmt.Errorf("list topics: %w", cfg.Explain(err))
