@@ -16,13 +16,9 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"log/slog"
 	"net/http"
-	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -50,18 +46,7 @@ CREATE TABLE IF NOT EXISTS reservation (
 
 func main() {
 	f := platform.RegisterFlags("127.0.0.1:8081", "inventory")
-	flag.Parse()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	log, err := f.Logger("inventory")
-	if err == nil {
-		slog.SetDefault(log) // handlers that log through slog use the same level and handler
-		err = run(ctx, f, log)
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "inventory:", err)
-		os.Exit(1)
-	}
+	platform.Main("inventory", f, func(ctx context.Context, log *slog.Logger) error { return run(ctx, f, log) })
 }
 
 func run(ctx context.Context, f *platform.Flags, log *slog.Logger) error {

@@ -15,12 +15,8 @@ package main
 import (
 	"context"
 	"flag"
-	"fmt"
 	"log/slog"
 	"net/http"
-	"os"
-	"os/signal"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -51,18 +47,7 @@ CREATE TABLE IF NOT EXISTS orders (
 func main() {
 	f := platform.RegisterFlags("127.0.0.1:8080", "orders")
 	waitInFlight := flag.Duration("wait-in-flight", 2*time.Second, "how long a retry of a request still running waits for its answer (0: answer 409 at once)")
-	flag.Parse()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	log, err := f.Logger("orders")
-	if err == nil {
-		slog.SetDefault(log) // handlers that log through slog use the same level and handler
-		err = run(ctx, f, *waitInFlight, log)
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "orders:", err)
-		os.Exit(1)
-	}
+	platform.Main("orders", f, func(ctx context.Context, log *slog.Logger) error { return run(ctx, f, *waitInFlight, log) })
 }
 
 // service holds what the handlers need.

@@ -27,9 +27,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
-	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -61,18 +58,7 @@ CREATE INDEX IF NOT EXISTS payment_order_id ON payment (order_id);
 func main() {
 	f := platform.RegisterFlags("127.0.0.1:8082", "payments")
 	limit := flag.Int64("limit", 100_000, "what the fake provider lets one customer spend, in cents, before it declines")
-	flag.Parse()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	log, err := f.Logger("payments")
-	if err == nil {
-		slog.SetDefault(log) // handlers that log through slog use the same level and handler
-		err = run(ctx, f, *limit, log)
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "payments:", err)
-		os.Exit(1)
-	}
+	platform.Main("payments", f, func(ctx context.Context, log *slog.Logger) error { return run(ctx, f, *limit, log) })
 }
 
 type service struct {

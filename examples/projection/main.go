@@ -21,13 +21,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
-	"fmt"
 	"log/slog"
 	"net/http"
-	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
@@ -58,18 +53,7 @@ CREATE TABLE IF NOT EXISTS customer_orders (
 
 func main() {
 	f := platform.RegisterFlags("127.0.0.1:8083", "projection")
-	flag.Parse()
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	log, err := f.Logger("projection")
-	if err == nil {
-		slog.SetDefault(log) // handlers that log through slog use the same level and handler
-		err = run(ctx, f, log)
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "projection:", err)
-		os.Exit(1)
-	}
+	platform.Main("projection", f, func(ctx context.Context, log *slog.Logger) error { return run(ctx, f, log) })
 }
 
 func run(ctx context.Context, f *platform.Flags, log *slog.Logger) error {

@@ -10,7 +10,9 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -48,6 +50,24 @@ func RegisterFlags(defaultAddr, defaultSchema string) *Flags {
 	flag.StringVar(&f.Instance, "instance", host, "static consumer-group member id of this process (unique per instance)")
 	flag.StringVar(&f.LogLevel, "log-level", "info", "debug, info, warn or error")
 	return f
+}
+
+// Main parses the command line (register the service's own flags before calling it), then
+// runs run until SIGTERM or Ctrl-C with the flags' logger (also made slog's default, so
+// handlers that log through slog use it), and exits 1 with the error when run fails.
+func Main(service string, f *Flags, run func(ctx context.Context, log *slog.Logger) error) {
+	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	log, err := f.Logger(service)
+	if err == nil {
+		slog.SetDefault(log)
+		err = run(ctx, log)
+	}
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, service+":", err)
+		os.Exit(1)
+	}
 }
 
 // Logger returns a text logger on stderr at the flags' level, naming the service.
