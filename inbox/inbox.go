@@ -126,6 +126,7 @@ type Inbox struct {
 	cfg                                Config
 	slots                              *connSlots // of cfg.Pool, shared with other Inboxes on it
 	claimOneSQL, claimManySQL, seenSQL string
+	poisonSQL                          string
 	errManaged                         error // what Commit and Rollback on the handler's view return
 	tr                                 *tracing.Tracer
 }
@@ -187,6 +188,8 @@ func New(cfg Config) (*Inbox, error) {
 		claimOneSQL:  `INSERT INTO ` + table + ` (consumer, dedup_key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
 		claimManySQL: `INSERT INTO ` + table + ` (consumer, dedup_key) SELECT $1, k FROM unnest($2::text[]) AS u(k) ON CONFLICT DO NOTHING RETURNING dedup_key`,
 		seenSQL:      `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND dedup_key = $2)`,
+		poisonSQL: `INSERT INTO ` + pgsql.Table(cfg.Schema, "inbox_poison") +
+			` (consumer, dedup_key, message_uuid, source, metadata, payload, attempts, error) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
 		errManaged: fmt.Errorf("%w (inbox consumer %q: it commits after writing the handler's returned messages; to abort, return an error from the handler)",
 			outbox.ErrTxManaged, cfg.Consumer),
 		tr: tracing.New(cfg.TracerProvider, cfg.Propagator),
@@ -298,7 +301,7 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*messa
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(orig), ib.cfg.CommitTimeout)
 	defer cancel()
 	if len(produced) > 0 {
-		if err := ib.writeProduced(cctx, tx, produced); err != nil {
+		if err := ib.writeProduced(cctx, tx, message.PublishTopicFromCtx(orig), produced); err != nil {
 			return nil, err
 		}
 	}
@@ -336,8 +339,12 @@ func (ib *Inbox) rollback(ctx context.Context, tx pgx.Tx, msg *message.Message) 
 	// server aborted the transaction with it, so a failed rollback there is expected.
 	if err := tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) && !closed {
 		// The server aborts the transaction when the connection closes, so nothing is kept.
+		uuid := "" // nil for a batch
+		if msg != nil {
+			uuid = msg.UUID
+		}
 		ib.cfg.Logger.Warn("inbox: rollback failed; the connection is discarded and the server aborts the transaction",
-			"message_uuid", msg.UUID, "err", err)
+			"message_uuid", uuid, "err", err)
 	}
 }
 
@@ -364,10 +371,9 @@ func IsPoison(err error) bool {
 func ShouldRetry(p middleware.RetryParams) bool { return !IsPoison(p.Err) }
 
 // writeProduced writes the handler's messages to the outbox in tx, in the order returned, in
-// one statement whatever their topics: each goes to its outbox.ToTopic topic, or else to the
-// handler's publish topic.
-func (ib *Inbox) writeProduced(ctx context.Context, tx pgx.Tx, produced []*message.Message) error {
-	defaultTopic := message.PublishTopicFromCtx(ctx)
+// one statement whatever their topics: each goes to its outbox.ToTopic topic, or else to
+// defaultTopic (the handler's publish topic).
+func (ib *Inbox) writeProduced(ctx context.Context, tx pgx.Tx, defaultTopic string, produced []*message.Message) error {
 	for i, m := range produced {
 		if m == nil {
 			return fmt.Errorf("inbox: consumer %q: the handler returned a nil message at index %d", ib.cfg.Consumer, i)

@@ -22,12 +22,15 @@ type Metrics interface {
 	Failed(consumer string)
 	// NoKey: the message had no usable dedup key (see NoKeyPolicy).
 	NoKey(consumer string)
+	// Poisoned: a batched consumer gave the message up after its attempts and recorded it in
+	// inbox_poison (SettlePoison).
+	Poisoned(consumer string)
 }
 
 // Counters is a Metrics that keeps totals across all consumers, for tests, demos and
 // health pages. The zero value is ready to use.
 type Counters struct {
-	processed, duplicates, failures, noKeys atomic.Int64
+	processed, duplicates, failures, noKeys, poisoned atomic.Int64
 }
 
 var _ Metrics = (*Counters)(nil)
@@ -44,12 +47,16 @@ func (c *Counters) Failed(string) { c.failures.Add(1) }
 // NoKey implements Metrics.
 func (c *Counters) NoKey(string) { c.noKeys.Add(1) }
 
+// Poisoned implements Metrics.
+func (c *Counters) Poisoned(string) { c.poisoned.Add(1) }
+
 // CountersSnapshot is a point-in-time copy of Counters.
 type CountersSnapshot struct {
 	Processed  int64 // handler ran and committed
 	Duplicates int64 // skipped because the key was already recorded
 	Failures   int64 // rolled back and returned as failed
 	NoKeys     int64 // refused or dropped for lack of a key
+	Poisoned   int64 // given up by a batched consumer and recorded as poison
 }
 
 // Snapshot returns the current totals.
@@ -59,6 +66,7 @@ func (c *Counters) Snapshot() CountersSnapshot {
 		Duplicates: c.duplicates.Load(),
 		Failures:   c.failures.Load(),
 		NoKeys:     c.noKeys.Load(),
+		Poisoned:   c.poisoned.Load(),
 	}
 }
 
@@ -79,3 +87,6 @@ func (NopMetrics) Failed(string) {}
 
 // NoKey implements Metrics.
 func (NopMetrics) NoKey(string) {}
+
+// Poisoned implements Metrics.
+func (NopMetrics) Poisoned(string) {}

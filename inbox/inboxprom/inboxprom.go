@@ -31,7 +31,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "onceflow", Subsystem: "inbox", Name: "messages_total",
-			Help: "Messages seen by the inbox middleware, by consumer and result (processed, duplicate, failed, no_key).",
+			Help: "Messages seen by the inbox middleware, by consumer and result (processed, duplicate, failed, no_key, poisoned).",
 		}, []string{"consumer", "result"}),
 		took: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "onceflow", Subsystem: "inbox", Name: "processing_seconds",
@@ -61,3 +61,6 @@ func (m *Metrics) Failed(consumer string) { m.messages.WithLabelValues(consumer,
 
 // NoKey implements inbox.Metrics.
 func (m *Metrics) NoKey(consumer string) { m.messages.WithLabelValues(consumer, "no_key").Inc() }
+
+// Poisoned implements inbox.Metrics.
+func (m *Metrics) Poisoned(consumer string) { m.messages.WithLabelValues(consumer, "poisoned").Inc() }

@@ -324,3 +324,4 @@ func (nopMetrics) Processed(string, time.Duration) {}
 func (nopMetrics) Duplicate(string)                {}
 func (nopMetrics) Failed(string)                   {}
 func (nopMetrics) NoKey(string)                    {}
+func (nopMetrics) Poisoned(string)                 {}

@@ -1,0 +1,328 @@
+package inbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// BatchProcessor applies the messages of one partition in batches: what a batched consumer
+// (inbox/inboxkafka.BatchConsumer) drives. An Inbox makes one from a Watermill handler
+// (Inbox.Batch, Inbox.BatchNoPublish) or a set-based handler (Inbox.BatchFunc); the saga
+// orchestrator and participants are BatchProcessors too.
+//
+// The consumer keeps the order of a partition: it hands ProcessBatch consecutive messages and
+// moves on only when every one of them is settled — processed, skipped as a duplicate, or
+// given up with SettlePoison.
+type BatchProcessor interface {
+	// ProcessBatch applies msgs in order. On success every message's effect and dedup row
+	// have committed. On error nothing of the failed transaction is kept, and the error says
+	// who failed: a *MessageError for one message's handler (or, with Index −1, a set-based
+	// handler that did not say which), any other error for the batch as a whole (the
+	// database could not be reached): the consumer then retries the same messages.
+	//
+	// It may commit in several transactions (a participant commits the messages before a
+	// failed step separately): a message's effect always commits with its dedup row, so the
+	// retry skips what already committed.
+	ProcessBatch(ctx context.Context, msgs []*message.Message) error
+	// SettlePoison records that msg is given up after p.Attempts failed attempts (p.Err is
+	// the last error), in one transaction with its dedup row, so the consumer moves past it
+	// exactly once and a redelivery is skipped. An error means nothing was recorded; the
+	// consumer retries.
+	SettlePoison(ctx context.Context, msg *message.Message, p Poison) error
+}
+
+// MessageError is the error of a BatchProcessor whose handler failed on one message.
+type MessageError struct {
+	// Index is the failed message's position in the batch, or −1 when a set-based handler
+	// failed without saying which message caused it (the consumer then splits the batch in
+	// halves to find it).
+	Index int
+	Err   error
+}
+
+func (e *MessageError) Error() string {
+	if e.Index < 0 {
+		return "batch handler: " + e.Err.Error()
+	}
+	return fmt.Sprintf("message %d of the batch: %v", e.Index, e.Err)
+}
+
+func (e *MessageError) Unwrap() error { return e.Err }
+
+// Poison says why a message is given up.
+type Poison struct {
+	// Source is where the message came from, e.g. "orders.placed/3@1234" (topic, partition,
+	// offset), as shown by `onceflow inbox poison`.
+	Source string
+	// Attempts is how many times the message failed; Err is its last error.
+	Attempts int
+	Err      error
+}
+
+// BatchHandlerFunc is a set-based handler: it applies msgs (the new ones of a batch, in order,
+// duplicates already removed) in tx, which it must not end, and returns the messages to write
+// to the outbox in the same transaction. Return a *MessageError to say which message failed.
+type BatchHandlerFunc func(ctx context.Context, tx pgx.Tx, msgs []*message.Message) ([]*message.Message, error)
+
+// Batch returns a BatchProcessor that runs h — the handler you would give the router, with
+// outbox.MustTx(msg.Context()) inside — for each new message of a batch, all in one
+// transaction: every dedup key claimed in one statement, the handler run per new message in
+// order, every message the handlers return written in one outbox statement, one commit.
+// Messages the handlers return go to their outbox.ToTopic topic, or else to publishTopic
+// ("" when every handler addresses its messages).
+func (ib *Inbox) Batch(publishTopic string, h message.HandlerFunc) BatchProcessor {
+	return &batchProcessor{ib: ib, topic: publishTopic, perMessage: h}
+}
+
+// BatchNoPublish is Batch for a handler that returns no messages (router.AddConsumerHandler's
+// kind); it may still write to the outbox itself with outbox.WriteTx on its transaction.
+func (ib *Inbox) BatchNoPublish(h message.NoPublishHandlerFunc) BatchProcessor {
+	return ib.Batch("", func(msg *message.Message) ([]*message.Message, error) { return nil, h(msg) })
+}
+
+// BatchFunc returns a BatchProcessor over a set-based handler, for set-based SQL (one INSERT
+// … SELECT FROM unnest for the whole batch). Returned messages without outbox.ToTopic go to
+// publishTopic.
+func (ib *Inbox) BatchFunc(publishTopic string, h BatchHandlerFunc) BatchProcessor {
+	return &batchProcessor{ib: ib, topic: publishTopic, set: h}
+}
+
+type batchProcessor struct {
+	ib         *Inbox
+	topic      string
+	perMessage message.HandlerFunc
+	set        BatchHandlerFunc
+}
+
+// ProcessBatch implements BatchProcessor.
+func (p *batchProcessor) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
+	return p.ib.processBatch(ctx, msgs, p.topic, p.perMessage, p.set)
+}
+
+// SettlePoison implements BatchProcessor.
+func (p *batchProcessor) SettlePoison(ctx context.Context, msg *message.Message, ps Poison) error {
+	return p.ib.SettlePoison(ctx, msg, ps)
+}
+
+// processBatch is ProcessBatch for either kind of handler.
+func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topic string, h message.HandlerFunc, set BatchHandlerFunc) (err error) {
+	consumer := ib.cfg.Consumer
+	keys := make([]string, 0, len(msgs))
+	keyed := make([]int, 0, len(msgs)) // index in msgs of each key
+	for i, msg := range msgs {
+		key, err := ib.key(msg)
+		if err != nil {
+			ib.cfg.Metrics.NoKey(consumer)
+			if ib.cfg.NoKeyPolicy == DropNoKey {
+				ib.cfg.Logger.Warn("inbox: message without a dedup key dropped (handler not run)",
+					"message_uuid", msg.UUID, "err", err, "metadata", map[string]string(msg.Metadata))
+				continue
+			}
+			// Poison (IsPoison): the consumer settles it at once instead of retrying.
+			return &MessageError{Index: i, Err: fmt.Errorf("inbox: consumer %q, message %q: %w", consumer, msg.UUID, err)}
+		}
+		keys = append(keys, key)
+		keyed = append(keyed, i)
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	start := time.Now()
+	if err := ib.slots.acquire(ctx); err != nil {
+		return fmt.Errorf("inbox: consumer %q: wait for a connection of the pool: %w", consumer, err)
+	}
+	defer ib.slots.release()
+	tx, err := ib.cfg.Pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("inbox: consumer %q: begin transaction: %w", consumer, err)
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			for range keys {
+				ib.cfg.Metrics.Failed(consumer)
+			}
+			ib.rollback(ctx, tx, nil)
+		}
+	}()
+	claimed, err := ib.ClaimTx(ctx, tx, keys...)
+	if err != nil {
+		return err
+	}
+	fresh := make([]*message.Message, 0, len(keys))
+	freshIdx := make([]int, 0, len(keys))
+	for j, ok := range claimed {
+		if ok {
+			fresh = append(fresh, msgs[keyed[j]])
+			freshIdx = append(freshIdx, keyed[j])
+		} else {
+			ib.cfg.Metrics.Duplicate(consumer)
+			ib.cfg.Logger.Debug("inbox: duplicate skipped", "message_uuid", msgs[keyed[j]].UUID, "dedup_key", keys[j])
+		}
+	}
+	if len(fresh) == 0 {
+		committed = true // nothing to undo: every key was recorded already
+		ib.rollback(ctx, tx, nil)
+		return nil
+	}
+	var produced []*message.Message
+	if set != nil {
+		produced, err = ib.runSet(ctx, tx, fresh, set)
+		if me := (*MessageError)(nil); errors.As(err, &me) && me.Index >= 0 && me.Index < len(freshIdx) {
+			me.Index = freshIdx[me.Index]
+		}
+	} else {
+		produced, err = ib.runEach(tx, fresh, freshIdx, h)
+	}
+	if err != nil {
+		return err
+	}
+	// The handlers succeeded: cancellation (a revoked partition, a closing consumer) no longer
+	// applies, see Config.CommitTimeout.
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), ib.cfg.CommitTimeout)
+	defer cancel()
+	if len(produced) > 0 {
+		if err := ib.writeProduced(cctx, tx, topic, produced); err != nil {
+			return err
+		}
+	}
+	if err := tx.Commit(cctx); err != nil {
+		return fmt.Errorf("inbox: consumer %q: commit a batch of %d: %w", consumer, len(fresh), err)
+	}
+	committed = true
+	took := time.Since(start)
+	for range fresh {
+		ib.cfg.Metrics.Processed(consumer, took)
+	}
+	return nil
+}
+
+// runEach runs h for each message on a view of tx, in order, and collects what they return.
+func (ib *Inbox) runEach(tx pgx.Tx, fresh []*message.Message, idx []int, h message.HandlerFunc) (produced []*message.Message, err error) {
+	for j, msg := range fresh {
+		out, err := ib.runOne(tx, msg, h)
+		if err != nil {
+			return nil, &MessageError{Index: idx[j], Err: err}
+		}
+		produced = append(produced, out...)
+	}
+	return produced, nil
+}
+
+// runOne runs h for one message of a batch, with the transaction (a view it cannot end) and
+// the message's `process` span in its context. A panic is returned as the message's error.
+func (ib *Inbox) runOne(tx pgx.Tx, msg *message.Message, h message.HandlerFunc) (out []*message.Message, err error) {
+	orig := msg.Context()
+	defer msg.SetContext(orig)
+	pctx, span := ib.startProcess(orig, msg)
+	outcome := outcomeFailed
+	defer func() { endProcess(span, outcome, err) }()
+	view, viewDone := pgsql.ManagedTx(tx, ib.errManaged)
+	msg.SetContext(outbox.ContextWithTx(pctx, view))
+	out, err = callHandler(msg, h)
+	if viewErr := viewDone(); err == nil && viewErr != nil {
+		if errors.Is(viewErr, outbox.ErrTxManaged) {
+			ib.cfg.Logger.Error("inbox: the handler tried to end its transaction; the message fails", "message_uuid", msg.UUID, "err", viewErr)
+		}
+		err = fmt.Errorf("inbox: consumer %q, message %q: %w", ib.cfg.Consumer, msg.UUID, viewErr)
+	}
+	if err == nil {
+		outcome = outcomeProcessed
+	}
+	return out, err
+}
+
+// callHandler runs h, turning a panic into an error: in a batch, one message's panic must fail
+// that message (and be isolated), not the consumer.
+func callHandler(msg *message.Message, h message.HandlerFunc) (out []*message.Message, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: handler panicked: %v", ErrPanicked, r)
+		}
+	}()
+	return h(msg)
+}
+
+// ErrPanicked is wrapped by the error of a message whose handler panicked in a batch.
+var ErrPanicked = errors.New("inbox: panic")
+
+// runSet runs a set-based handler on a view of tx.
+func (ib *Inbox) runSet(ctx context.Context, tx pgx.Tx, fresh []*message.Message, set BatchHandlerFunc) (out []*message.Message, err error) {
+	view, viewDone := pgsql.ManagedTx(tx, ib.errManaged)
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				err = &MessageError{Index: -1, Err: fmt.Errorf("%w: batch handler panicked: %v", ErrPanicked, r)}
+			}
+		}()
+		out, err = set(ctx, view, fresh)
+	}()
+	if viewErr := viewDone(); err == nil && viewErr != nil {
+		err = fmt.Errorf("inbox: consumer %q: %w", ib.cfg.Consumer, viewErr)
+	}
+	if err != nil {
+		if me := (*MessageError)(nil); !errors.As(err, &me) {
+			err = &MessageError{Index: -1, Err: err}
+		}
+		return nil, err
+	}
+	return out, nil
+}
+
+// SettlePoison records msg as given up in processed_event and inbox_poison, in one
+// transaction: the consumer then moves past it, a redelivery is skipped, and `onceflow inbox
+// poison` shows it with its error. A message without a usable key gets the poison row only.
+// It is the BatchProcessor's SettlePoison of Batch, BatchNoPublish and BatchFunc; other
+// processors (the saga's) call it to record their own poison.
+func (ib *Inbox) SettlePoison(ctx context.Context, msg *message.Message, p Poison) error {
+	err := pgx.BeginFunc(ctx, ib.cfg.Pool, func(tx pgx.Tx) error {
+		return ib.SettlePoisonTx(ctx, tx, msg, p)
+	})
+	if err == nil {
+		ib.LogPoison(msg, p)
+	}
+	return err
+}
+
+// LogPoison logs and counts a message recorded as poison, once its transaction committed.
+func (ib *Inbox) LogPoison(msg *message.Message, p Poison) {
+	ib.cfg.Metrics.Poisoned(ib.cfg.Consumer)
+	ib.cfg.Logger.Error("inbox: message given up; recorded as poison and skipped (`onceflow inbox poison` lists it)",
+		"message_uuid", msg.UUID, "source", p.Source, "attempts", p.Attempts, "err", p.Err)
+}
+
+// SettlePoisonTx is SettlePoison in the caller's transaction.
+func (ib *Inbox) SettlePoisonTx(ctx context.Context, tx pgx.Tx, msg *message.Message, p Poison) error {
+	var key *string
+	if k, err := ib.key(msg); err == nil {
+		key = &k
+		if _, err := ib.ClaimTx(ctx, tx, k); err != nil {
+			return err
+		}
+	}
+	md, err := json.Marshal(msg.Metadata)
+	if err != nil {
+		return fmt.Errorf("inbox: consumer %q: encode the metadata of poison message %q: %w", ib.cfg.Consumer, msg.UUID, err)
+	}
+	reason := "unknown error"
+	if p.Err != nil {
+		reason = p.Err.Error()
+	}
+	payload := msg.Payload
+	if payload == nil {
+		payload = []byte{}
+	}
+	if _, err := tx.Exec(ctx, ib.poisonSQL, ib.cfg.Consumer, key, msg.UUID, p.Source, md, payload, p.Attempts, reason); err != nil {
+		return ib.dbError(fmt.Sprintf("record poison message %q", msg.UUID), err)
+	}
+	return nil
+}

@@ -1,0 +1,419 @@
+package inboxkafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/config"
+)
+
+// BatchConsumer defaults.
+const (
+	// DefaultMaxBatch bounds the messages of one partition applied in one transaction.
+	DefaultMaxBatch = 256
+	// DefaultWorkers is how many partitions are processed at once.
+	DefaultWorkers = 4
+	// DefaultMaxAttempts is how often a failing message is tried before it is given up as
+	// poison.
+	DefaultMaxAttempts = 5
+	// DefaultBackoff is the wait before a failing message's second attempt; it doubles per
+	// attempt up to DefaultMaxBackoff.
+	DefaultBackoff = 100 * time.Millisecond
+	// DefaultMaxBackoff caps the wait between attempts, also between retries of a batch the
+	// database refused as a whole.
+	DefaultMaxBackoff = 5 * time.Second
+)
+
+// BatchConfig configures a BatchConsumer. Brokers, Group, Topics and Processor are required.
+type BatchConfig struct {
+	// Brokers are the Kafka bootstrap addresses (host:port). Required.
+	Brokers []string
+	// Group is the consumer group; its committed offsets are where a restart resumes.
+	// Required. Use one group per processor (per handler), as with the router.
+	Group string
+	// Topics are consumed by Processor. Required.
+	Topics []string
+	// Processor applies the batches: inbox.Inbox.Batch, BatchNoPublish or BatchFunc, or a
+	// saga orchestrator or participant. Required.
+	Processor inbox.BatchProcessor
+	// MaxBatch bounds the messages of one partition in one transaction. Default
+	// DefaultMaxBatch. There is no linger: a batch is what one poll returned (up to
+	// MaxBatch), so a lone message goes at once and batches grow only under load.
+	MaxBatch int
+	// Workers is how many partitions are processed at once, each in its own transaction (so
+	// each holds a connection of the processor's pool). Default DefaultWorkers.
+	Workers int
+	// MaxAttempts is how often a message whose handler fails is tried before it is given up
+	// (Processor.SettlePoison). Default DefaultMaxAttempts; 1 gives up at the first failure.
+	// Messages that no retry can fix (inbox.IsPoison: no dedup key, an invalid outgoing
+	// message) are given up at once.
+	MaxAttempts int
+	// Backoff is the wait before a failing message's second attempt, doubled per attempt up
+	// to MaxBackoff. Defaults DefaultBackoff and DefaultMaxBackoff. While a message waits,
+	// later messages of its partition wait too (they never overtake it), and so does the
+	// next poll of the other partitions.
+	Backoff, MaxBackoff time.Duration
+	// Logger receives given-up messages and batches the database refused. Default
+	// slog.Default().
+	Logger *slog.Logger
+	// ClientOpts are extra franz-go options (TLS, SASL, client id, session timeouts), applied
+	// after the consumer's own.
+	ClientOpts []kgo.Opt
+}
+
+// BatchConsumer consumes topics with franz-go's consumer group client and applies each
+// partition's messages in batches through a BatchProcessor: process, then commit.
+//
+//   - Order: a partition's messages are applied in offset order; partitions run in parallel
+//     (up to Workers).
+//   - Batches: what one poll returned for a partition, up to MaxBatch per transaction. No
+//     linger: a lone message is applied at once.
+//   - Offsets: a message's offset is marked for commit only after its transaction committed
+//     (or it was given up); marked offsets are committed every second, when partitions are
+//     revoked and when Run returns. A crash redelivers what was applied since the last
+//     commit, and the inbox skips it as duplicates.
+//   - Rebalances wait for the batches in flight (franz-go's BlockRebalanceOnPoll): a revoked
+//     partition is given up only after its batch committed or rolled back, and its offsets
+//     were committed.
+//   - Failure isolation: when a message's handler fails, the batch rolls back; the messages
+//     before it are applied again as a batch, and the failing one alone, with retries and
+//     backoff; after MaxAttempts it is given up as poison (recorded with its dedup row in one
+//     transaction) and its partition moves on. A set-based handler that does not say which
+//     message failed is split in halves down to the failing message. No savepoints: more than
+//     64 subtransactions in one transaction slow every snapshot of the server.
+//   - A batch the database refuses as a whole (connection lost, server restarting) is retried
+//     with backoff, without counting attempts, until it succeeds or Run's context ends.
+type BatchConsumer struct {
+	cfg BatchConfig
+	cl  *kgo.Client
+	log *slog.Logger
+
+	closeOnce sync.Once
+}
+
+// NewBatchConsumer validates cfg, reporting every problem at once, and connects the client
+// (it joins the group when Run starts polling).
+func NewBatchConsumer(cfg BatchConfig) (*BatchConsumer, error) {
+	if cfg.MaxBatch == 0 {
+		cfg.MaxBatch = DefaultMaxBatch
+	}
+	if cfg.Workers == 0 {
+		cfg.Workers = DefaultWorkers
+	}
+	if cfg.MaxAttempts == 0 {
+		cfg.MaxAttempts = DefaultMaxAttempts
+	}
+	if cfg.Backoff == 0 {
+		cfg.Backoff = DefaultBackoff
+	}
+	if cfg.MaxBackoff == 0 {
+		cfg.MaxBackoff = DefaultMaxBackoff
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	var problems []error
+	if len(cfg.Brokers) == 0 {
+		problems = append(problems, errors.New("Brokers is empty: pass the Kafka bootstrap addresses (host:port)"))
+	}
+	if cfg.Group == "" {
+		problems = append(problems, errors.New("Group is empty: a batched consumer needs a consumer group, or no offsets are committed and every restart re-reads the topics"))
+	}
+	if len(cfg.Topics) == 0 {
+		problems = append(problems, errors.New("Topics is empty: name the topics to consume"))
+	}
+	if cfg.Processor == nil {
+		problems = append(problems, errors.New("Processor is nil: pass ib.Batch(...), ib.BatchNoPublish(...), ib.BatchFunc(...) or a saga orchestrator or participant"))
+	}
+	if cfg.MaxBatch < 1 || cfg.MaxBatch > 10000 {
+		problems = append(problems, fmt.Errorf("MaxBatch is %d; use 0 for the default (%d) or 1..10000", cfg.MaxBatch, DefaultMaxBatch))
+	}
+	if cfg.Workers < 1 {
+		problems = append(problems, fmt.Errorf("Workers is %d; use 0 for the default (%d) or a positive number", cfg.Workers, DefaultWorkers))
+	}
+	if cfg.MaxAttempts < 1 {
+		problems = append(problems, fmt.Errorf("MaxAttempts is %d; use 0 for the default (%d) or a positive number", cfg.MaxAttempts, DefaultMaxAttempts))
+	}
+	if cfg.Backoff < 0 || cfg.MaxBackoff < cfg.Backoff {
+		problems = append(problems, fmt.Errorf("Backoff %s and MaxBackoff %s: use 0 for the defaults, or 0 < Backoff <= MaxBackoff", cfg.Backoff, cfg.MaxBackoff))
+	}
+	if err := config.Check("inboxkafka batch consumer", problems...); err != nil {
+		return nil, err
+	}
+	opts := []kgo.Opt{
+		kgo.SeedBrokers(cfg.Brokers...),
+		kgo.ConsumerGroup(cfg.Group),
+		kgo.ConsumeTopics(cfg.Topics...),
+		// A new group starts at the oldest retained message, not after what was published
+		// before it joined (see the package documentation).
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		// Rebalances wait until the batches of the last poll are settled and marked, so a
+		// partition is never revoked with a batch in flight.
+		kgo.BlockRebalanceOnPoll(),
+		// Only offsets marked after their transaction committed are committed.
+		kgo.AutoCommitMarks(),
+		kgo.AutoCommitInterval(AutoCommitInterval),
+		kgo.ClientID("onceflow-inbox-batch"),
+	}
+	c := &BatchConsumer{cfg: cfg, log: cfg.Logger.With("group", cfg.Group)}
+	opts = append(opts,
+		kgo.OnPartitionsRevoked(func(ctx context.Context, cl *kgo.Client, _ map[string][]int32) {
+			// Runs between polls (BlockRebalanceOnPoll): every batch is settled and marked.
+			c.commitMarked(ctx, cl)
+		}))
+	opts = append(opts, cfg.ClientOpts...)
+	cl, err := kgo.NewClient(opts...)
+	if err != nil {
+		return nil, fmt.Errorf("inboxkafka: batch consumer: %w", err)
+	}
+	c.cl = cl
+	return c, nil
+}
+
+// Client returns the franz-go client, e.g. for metrics hooks or lag checks.
+func (c *BatchConsumer) Client() *kgo.Client { return c.cl }
+
+func (c *BatchConsumer) commitMarked(ctx context.Context, cl *kgo.Client) {
+	if err := cl.CommitMarkedOffsets(ctx); err != nil && !errors.Is(err, context.Canceled) {
+		c.log.Warn("inboxkafka: committing offsets failed; the messages since the last commit will be redelivered and skipped as duplicates", "err", err)
+	}
+}
+
+// Run consumes until ctx ends, then commits the offsets of what was applied, leaves the group
+// and returns nil. It returns an error only if the client stopped for another reason.
+func (c *BatchConsumer) Run(ctx context.Context) error {
+	defer c.Close()
+	for {
+		fetches := c.cl.PollRecords(ctx, c.cfg.MaxBatch*c.cfg.Workers)
+		if fetches.IsClientClosed() {
+			c.cl.AllowRebalance()
+			if ctx.Err() != nil {
+				return nil
+			}
+			return errors.New("inboxkafka: batch consumer: the client was closed")
+		}
+		fetches.EachError(func(topic string, p int32, err error) {
+			if !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+				c.log.Warn("inboxkafka: fetch error", "topic", topic, "partition", p, "err", err)
+			}
+		})
+		var parts [][]*kgo.Record
+		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+			if len(p.Records) > 0 {
+				parts = append(parts, p.Records)
+			}
+		})
+		c.runParts(ctx, parts)
+		c.cl.AllowRebalance()
+		if ctx.Err() != nil {
+			return nil
+		}
+	}
+}
+
+// runParts settles each partition's records, up to Workers partitions at once, marking each
+// settled record's offset.
+func (c *BatchConsumer) runParts(ctx context.Context, parts [][]*kgo.Record) {
+	if len(parts) == 1 { // the common case at low load: no goroutine
+		c.settle(ctx, parts[0])
+		return
+	}
+	sem := make(chan struct{}, c.cfg.Workers)
+	var wg sync.WaitGroup
+	for _, recs := range parts {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			c.settle(ctx, recs)
+		})
+	}
+	wg.Wait()
+}
+
+// settle applies one partition's records in order, in batches of at most MaxBatch, and marks
+// each batch's offsets once it is settled. It stops early only when ctx ends; the records
+// not settled then are redelivered to whoever owns the partition next.
+func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) {
+	msgs := make([]*message.Message, len(recs))
+	for i, r := range recs {
+		msgs[i] = toMessage(ctx, r)
+	}
+	for done := 0; done < len(recs); {
+		n := min(c.cfg.MaxBatch, len(recs)-done)
+		k, failed := c.apply(ctx, recs[done:done+n], msgs[done:done+n])
+		if k > 0 {
+			c.cl.MarkCommitRecords(recs[done+k-1])
+			done += k
+		}
+		if failed != nil {
+			// The next message failed in the batch already: that was its first attempt.
+			if c.settleOne(ctx, recs[done], msgs[done], failed) == 0 {
+				return
+			}
+			c.cl.MarkCommitRecords(recs[done])
+			done++
+		} else if k == 0 {
+			return
+		}
+	}
+}
+
+// apply settles a prefix of msgs and returns its length: 0 only when ctx ended, or when the
+// first message failed. failed, when set, is the error of the message right after the prefix,
+// whose handler failed in this batch: the caller goes on with it alone.
+func (c *BatchConsumer) apply(ctx context.Context, recs []*kgo.Record, msgs []*message.Message) (n int, failed error) {
+	for failures := 0; ; failures++ {
+		err := c.cfg.Processor.ProcessBatch(ctx, msgs)
+		if err == nil {
+			return len(msgs), nil
+		}
+		var me *inbox.MessageError
+		switch {
+		case errors.As(err, &me) && len(msgs) == 1:
+			return 0, me.Err
+		case errors.As(err, &me) && me.Index >= 0 && me.Index < len(msgs):
+			// The messages before the failing one were fine: apply them as a batch; the
+			// failing one goes on alone.
+			if me.Index == 0 {
+				return 0, me.Err
+			}
+			if k, f := c.apply(ctx, recs[:me.Index], msgs[:me.Index]); k < me.Index || f != nil {
+				return k, f // a prefix failed on its own (not deterministic) or ctx ended
+			}
+			return me.Index, me.Err
+		case errors.As(err, &me):
+			// A set-based handler did not say which message failed: halve until it is alone.
+			return c.apply(ctx, recs[:len(msgs)/2], msgs[:len(msgs)/2])
+		}
+		if ctx.Err() != nil {
+			return 0, nil
+		}
+		// The batch as a whole was refused (database unreachable): retry it, counting no
+		// attempt against its messages.
+		c.logRefused(failures, len(msgs), recs[0], err)
+		if !sleep(ctx, c.backoff(failures+1)) {
+			return 0, nil
+		}
+	}
+}
+
+func (c *BatchConsumer) logRefused(failures, n int, r *kgo.Record, err error) {
+	// First failure at once, then every 10th, so an outage logs a few lines, not thousands.
+	if failures%10 == 0 {
+		c.log.Error("inboxkafka: a batch could not be applied; retrying it (its messages wait, none is skipped)",
+			"batch", n, "source", source(r), "failures", failures+1, "err", err)
+	}
+}
+
+// settleOne applies one failing message alone until it succeeds or is given up (1), or ctx
+// ends (0). err is its first attempt's error.
+func (c *BatchConsumer) settleOne(ctx context.Context, r *kgo.Record, msg *message.Message, err error) int {
+	attempts := 1
+	for refused := 0; ; {
+		if inbox.IsPoison(err) || attempts >= c.cfg.MaxAttempts {
+			return c.givenUp(ctx, r, msg, attempts, err)
+		}
+		c.log.Warn("inboxkafka: message failed; retrying it alone (later messages of its partition wait)",
+			"source", source(r), "message_uuid", msg.UUID, "attempt", attempts, "max_attempts", c.cfg.MaxAttempts, "err", err)
+		if !sleep(ctx, c.backoff(attempts)) {
+			return 0
+		}
+		perr := c.cfg.Processor.ProcessBatch(ctx, []*message.Message{msg})
+		var me *inbox.MessageError
+		switch {
+		case perr == nil:
+			return 1
+		case errors.As(perr, &me):
+			attempts++
+			err = me.Err
+		case ctx.Err() != nil:
+			return 0
+		default:
+			c.logRefused(refused, 1, r, perr)
+			refused++
+		}
+	}
+}
+
+// givenUp records msg as poison, retrying until the database takes it or ctx ends.
+func (c *BatchConsumer) givenUp(ctx context.Context, r *kgo.Record, msg *message.Message, attempts int, cause error) int {
+	p := inbox.Poison{Source: source(r), Attempts: attempts, Err: cause}
+	for failures := 0; ; failures++ {
+		err := c.cfg.Processor.SettlePoison(ctx, msg, p)
+		if err == nil {
+			return 1
+		}
+		if ctx.Err() != nil {
+			return 0
+		}
+		c.logRefused(failures, 1, r, fmt.Errorf("record poison message: %w", err))
+		if !sleep(ctx, c.backoff(failures+1)) {
+			return 0
+		}
+	}
+}
+
+// backoff is the wait before retry n (n ≥ 1): Backoff, doubled per retry, capped.
+func (c *BatchConsumer) backoff(n int) time.Duration {
+	d := c.cfg.Backoff
+	for i := 1; i < n && d < c.cfg.MaxBackoff; i++ {
+		d *= 2
+	}
+	return min(d, c.cfg.MaxBackoff)
+}
+
+// Close leaves the group after committing the marked offsets. Run calls it when it returns;
+// calling it again is a no-op.
+func (c *BatchConsumer) Close() {
+	c.closeOnce.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		c.commitMarked(ctx, c.cl)
+		c.cl.Close()
+	})
+}
+
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// source names a record's place: topic/partition@offset.
+func source(r *kgo.Record) string {
+	return r.Topic + "/" + strconv.Itoa(int(r.Partition)) + "@" + strconv.FormatInt(r.Offset, 10)
+}
+
+// toMessage decodes a record as watermill-kafka's DefaultMarshaler does (the relay writes it
+// that way): the UUID from its header, every other header as metadata, the value as payload.
+func toMessage(ctx context.Context, r *kgo.Record) *message.Message {
+	md := make(message.Metadata, len(r.Headers))
+	var id string
+	for _, h := range r.Headers {
+		if h.Key == kafka.UUIDHeaderKey {
+			id = string(h.Value)
+			continue
+		}
+		md[h.Key] = string(h.Value)
+	}
+	msg := message.NewMessage(id, r.Value)
+	msg.Metadata = md
+	msg.SetContext(ctx)
+	return msg
+}
