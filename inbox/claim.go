@@ -85,6 +85,36 @@ func (ib *Inbox) SeenTx(ctx context.Context, tx pgx.Tx, key string) (bool, error
 	return seen, nil
 }
 
+// SeenManyTx is SeenTx for many keys in one statement: seen[i] reports whether keys[i] is
+// recorded for this consumer.
+func (ib *Inbox) SeenManyTx(ctx context.Context, tx pgx.Tx, keys ...string) (seen []bool, err error) {
+	for i, k := range keys {
+		if _, err := checkKey(k); err != nil {
+			return nil, fmt.Errorf("inbox: consumer %q: key %d: %w", ib.cfg.Consumer, i, err)
+		}
+	}
+	if len(keys) == 0 {
+		return nil, nil
+	}
+	rows, err := tx.Query(ctx, ib.seenManySQL, ib.cfg.Consumer, keys)
+	if err != nil {
+		return nil, ib.dbError(fmt.Sprintf("look up %d dedup keys", len(keys)), err)
+	}
+	found, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, ib.dbError(fmt.Sprintf("look up %d dedup keys", len(keys)), err)
+	}
+	set := make(map[string]bool, len(found))
+	for _, k := range found {
+		set[k] = true
+	}
+	seen = make([]bool, len(keys))
+	for i, k := range keys {
+		seen[i] = set[k]
+	}
+	return seen, nil
+}
+
 // CheckSchema reports whether the inbox's schema is fully migrated (migrations.Validate): nil,
 // or an error wrapping migrations.ErrNotMigrated that lists the missing steps and names the
 // command to run. Call it at start-up, before the router runs, to fail fast instead of on the

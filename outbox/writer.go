@@ -175,8 +175,81 @@ func WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Mess
 // invalid, nothing of the call is written and the error lists every refused message (see
 // ValidationError).
 func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
+	ins, err := w.insert(ctx, topic, msgs)
+	if err != nil {
+		return err
+	}
+	if !ins.check {
+		tag, err := tx.Exec(ctx, ins.sql, ins.args...)
+		if err != nil {
+			return w.insertError(len(msgs), err)
+		}
+		return ins.inserted(tag.RowsAffected())
+	}
+	var n int64
+	var asleep bool
+	if err := tx.QueryRow(ctx, ins.sql, ins.args...).Scan(&n, &asleep); err != nil {
+		return w.insertError(len(msgs), err)
+	}
+	w.sawRelays(asleep)
+	return ins.inserted(n)
+}
+
+// QueueWriteTx queues WriteTx's statement into b, for a caller that sends it with statements
+// of its own in one round trip (tx.SendBatch(ctx, b)): the saga orchestrator writes a
+// transition's commands with the saga row's update. The messages are validated now (nothing
+// is queued when one is refused); the insert's own error, if any, is returned by the batch.
+func (w *Writer) QueueWriteTx(ctx context.Context, b *pgx.Batch, topic string, msgs ...*message.Message) error {
+	ins, err := w.insert(ctx, topic, msgs)
+	if err != nil {
+		return err
+	}
+	if !ins.check {
+		b.Queue(ins.sql, ins.args...).Exec(func(tag pgconn.CommandTag) error { return ins.inserted(tag.RowsAffected()) })
+		return nil
+	}
+	b.Queue(ins.sql, ins.args...).QueryRow(func(row pgx.Row) error {
+		var n int64
+		var asleep bool
+		if err := row.Scan(&n, &asleep); err != nil {
+			return w.insertError(len(msgs), err)
+		}
+		w.sawRelays(asleep)
+		return ins.inserted(n)
+	})
+	return nil
+}
+
+// insertStmt is one write's statement: check says whether it also asks outbox_wake (and
+// returns the row count and whether a relay sleeps).
+type insertStmt struct {
+	sql   string
+	args  []any
+	check bool
+	n     int
+}
+
+func (ins insertStmt) inserted(n int64) error {
+	if n != int64(ins.n) {
+		return fmt.Errorf("outbox: inserted %d rows for %d messages", n, ins.n)
+	}
+	return nil
+}
+
+// sawRelays records what the wake-up check found: while a relay sleeps, every write checks
+// (and notifies); once all are awake, writes skip the check for WakeCheckInterval.
+func (w *Writer) sawRelays(asleep bool) {
+	if asleep {
+		w.awakeAt.Store(0) // keep notifying until a relay is seen awake again
+	} else {
+		w.awakeAt.Store(time.Now().UnixNano())
+	}
+}
+
+// insert validates msgs and builds the statement that writes them.
+func (w *Writer) insert(ctx context.Context, topic string, msgs []*message.Message) (insertStmt, error) {
 	if len(msgs) == 0 {
-		return fmt.Errorf("outbox: %w", ErrNoMessages)
+		return insertStmt{}, fmt.Errorf("outbox: %w", ErrNoMessages)
 	}
 	topics := make([]string, len(msgs))
 	ids := make([]string, len(msgs))
@@ -210,7 +283,7 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 		}
 		meta, err := json.Marshal(w.traced(ctx, topics[i], msg, storedMetadata(msg.Metadata)))
 		if err != nil {
-			return fmt.Errorf("outbox: encode metadata of message %d: %w", i, err)
+			return insertStmt{}, fmt.Errorf("outbox: encode metadata of message %d: %w", i, err)
 		}
 		routed = routed || topics[i] != topics[0]
 		ids[i] = id.String()
@@ -220,45 +293,25 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 		metas[i] = string(meta)
 	}
 	if err := errors.Join(problems...); err != nil {
-		return err
+		return insertStmt{}, err
 	}
-	check := !w.cfg.DisableNotify && time.Duration(time.Now().UnixNano()-w.awakeAt.Load()) >= WakeCheckInterval
+	ins := insertStmt{n: len(msgs), check: !w.cfg.DisableNotify && time.Duration(time.Now().UnixNano()-w.awakeAt.Load()) >= WakeCheckInterval}
 	st := w.plain
-	if check {
+	if ins.check {
 		st = w.wake
 	}
-	var sql string
-	var args []any
 	switch {
 	case len(msgs) == 1:
-		sql, args = st.one, []any{topics[0], ids[0], keys[0], hashes[0], payloads[0], metas[0]}
+		ins.sql, ins.args = st.one, []any{topics[0], ids[0], keys[0], hashes[0], payloads[0], metas[0]}
 	case routed:
-		sql, args = st.routed, []any{topics, ids, keys, hashes, payloads, metas}
+		ins.sql, ins.args = st.routed, []any{topics, ids, keys, hashes, payloads, metas}
 	default:
-		sql, args = st.many, []any{topics[0], ids, keys, hashes, payloads, metas}
+		ins.sql, ins.args = st.many, []any{topics[0], ids, keys, hashes, payloads, metas}
 	}
-	var n int64
-	if check {
-		var asleep bool
-		if err := tx.QueryRow(ctx, sql, append(args, NotifyChannel(w.cfg.Schema))...).Scan(&n, &asleep); err != nil {
-			return w.insertError(len(msgs), err)
-		}
-		if asleep {
-			w.awakeAt.Store(0) // keep notifying until a relay is seen awake again
-		} else {
-			w.awakeAt.Store(time.Now().UnixNano())
-		}
-	} else {
-		tag, err := tx.Exec(ctx, sql, args...)
-		if err != nil {
-			return w.insertError(len(msgs), err)
-		}
-		n = tag.RowsAffected()
+	if ins.check {
+		ins.args = append(ins.args, NotifyChannel(w.cfg.Schema))
 	}
-	if n != int64(len(msgs)) {
-		return fmt.Errorf("outbox: inserted %d rows for %d messages", n, len(msgs))
-	}
-	return nil
+	return ins, nil
 }
 
 // insertError wraps a failed insert, saying what to run when the schema lacks a migration.

@@ -2,7 +2,6 @@ package saga_test
 
 import (
 	"context"
-	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -148,36 +147,47 @@ func TestBarrierConcurrentActionAndCompensation(t *testing.T) {
 	}
 }
 
-// A participant's handler that ends its transaction with SQL fails the command and keeps
-// nothing: no effect, no dedup row, no barrier row, no reply; the redelivery runs again.
+// A participant's handler that ends its transaction with SQL fails its try and keeps nothing
+// of it: the next try runs on a fresh transaction, and the effect is applied once. A handler
+// that does it every time is answered as a failed attempt carrying the error, with nothing of
+// its writes kept.
 func TestParticipantHandlerCannotCommit(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, checkoutDef(t, nil))
-	p := w.participant("reserve")
-	commitFirst := true
+	p, err := saga.NewParticipant(saga.ParticipantConfig{Pool: w.db.Pool, Schema: w.db.Schema, Consumer: "svc-reserve", MaxAttempts: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	commits := map[string]int{"s1": 1, "s2": 99} // how many tries of each saga commit
+	tries := map[string]int{}
 	h := saga.Action(p, func(ctx context.Context, tx pgx.Tx, cmd stepCmd) (stepResult, error) {
 		if _, err := tx.Exec(ctx, `INSERT INTO `+w.db.Schema+`.effect (saga, step, phase) VALUES ($1, 'reserve', 'action')`, cmd.Order); err != nil {
 			return stepResult{}, err
 		}
-		if commitFirst {
+		tries[cmd.Order]++
+		if tries[cmd.Order] <= commits[cmd.Order] {
 			_, _ = tx.Exec(ctx, `COMMIT`) // refused; the handler ignores the error
 		}
 		return stepResult{ID: "r"}, nil
 	})
-	if err := h(command("s1", outbox.SagaPhaseAction, 1)); !errors.Is(err, outbox.ErrTxManaged) {
-		t.Fatalf("err = %v, want ErrTxManaged", err)
-	}
-	if fx := w.effects("s1"); len(fx) != 0 {
-		t.Fatalf("effects %v kept", fx)
-	}
-	if n := w.count(`SELECT count(*) FROM ` + w.db.Schema + `.processed_event`); n != 0 {
-		t.Fatalf("%d dedup or barrier rows kept", n)
-	}
-	commitFirst = false
 	if err := h(command("s1", outbox.SagaPhaseAction, 1)); err != nil {
 		t.Fatal(err)
 	}
-	if fx := w.effects("s1"); len(fx) != 1 {
-		t.Fatalf("effects %v after the redelivery", fx)
+	if fx := w.effects("s1"); len(fx) != 1 || tries["s1"] != 2 {
+		t.Fatalf("effects %v after %d tries; want the second try's only", fx, tries["s1"])
+	}
+	if err := h(command("s2", outbox.SagaPhaseAction, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if fx := w.effects("s2"); len(fx) != 0 {
+		t.Fatalf("effects %v kept of tries that committed with SQL", fx)
+	}
+	var outcome, reason string
+	if err := w.db.Pool.QueryRow(context.Background(), `SELECT metadata->>'`+outbox.MetadataSagaOutcome+`', metadata->>'`+outbox.MetadataSagaReason+`' FROM `+
+		w.db.Schema+`.outbox WHERE metadata->>'`+outbox.MetadataSagaID+`' = 's2'`).Scan(&outcome, &reason); err != nil {
+		t.Fatalf("the reply to s2: %v", err)
+	}
+	if outcome != outbox.SagaOutcomeRetry || !strings.Contains(reason, "COMMIT") {
+		t.Fatalf("reply to s2: outcome %q, reason %q; want a failed attempt saying why", outcome, reason)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/relay"
@@ -25,6 +26,14 @@ import (
 // and the orchestrator. Some sagas fail at charge and compensate.
 func TestEndToEndThroughKafka(t *testing.T) {
 	t.Parallel()
+	t.Run("per-message", func(t *testing.T) { t.Parallel(); endToEnd(t, false) })
+	t.Run("batched", func(t *testing.T) { t.Parallel(); endToEnd(t, true) })
+}
+
+// endToEnd runs the consumers either under a Watermill router (watermill-kafka, one message
+// at a time) or on inboxkafka.BatchConsumer (ActionProcessor, CompensationProcessor and the
+// orchestrator as BatchProcessors).
+func endToEnd(t *testing.T, batched bool) {
 	w := newWorld(t, checkoutDef(t, nil))
 	brokers := kafkatest.Brokers(t, 2)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -44,29 +53,49 @@ func TestEndToEndThroughKafka(t *testing.T) {
 	orchDone := make(chan error, 1)
 	go func() { orchDone <- w.orch.Run(ctx) }()
 
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	subscriber := func(group string) message.Subscriber {
-		sub, err := kafka.NewSubscriber(inboxkafka.SubscriberConfig(brokers, group), watermill.NopLogger{})
+	var consumersDone []chan error
+	if batched {
+		consume := func(group string, p inbox.BatchProcessor, topics ...string) {
+			c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: brokers, Group: group, Topics: topics, Processor: p, Logger: quietLogger()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- c.Run(ctx) }()
+			consumersDone = append(consumersDone, done)
+		}
+		for _, name := range stepNames {
+			p := w.participant(name)
+			consume("svc-"+name, saga.ActionProcessor(p, w.action(name)), "cmd."+name)
+			consume("undo-"+name, saga.CompensationProcessor(p, w.compensation(name)), "undo."+name)
+		}
+		consume("orchestrator", w.orch, w.orch.ReplyTopics()...)
+	} else {
+		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
 		if err != nil {
 			t.Fatal(err)
 		}
-		return sub
+		subscriber := func(group string) message.Subscriber {
+			sub, err := kafka.NewSubscriber(inboxkafka.SubscriberConfig(brokers, group), watermill.NopLogger{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			return sub
+		}
+		for _, name := range stepNames {
+			p := w.participant(name)
+			sub := subscriber("svc-" + name)
+			router.AddConsumerHandler(name, "cmd."+name, sub, saga.Action(p, w.action(name)))
+			router.AddConsumerHandler("undo-"+name, "undo."+name, sub, saga.Compensation(p, w.compensation(name)))
+		}
+		for _, topic := range w.orch.ReplyTopics() {
+			router.AddConsumerHandler("orchestrator-"+topic, topic, subscriber("orchestrator"), w.orch.Handler)
+		}
+		routerDone := make(chan error, 1)
+		go func() { routerDone <- router.Run(ctx) }()
+		<-router.Running()
+		consumersDone = append(consumersDone, routerDone)
 	}
-	for _, name := range stepNames {
-		p := w.participant(name)
-		sub := subscriber("svc-" + name)
-		router.AddConsumerHandler(name, "cmd."+name, sub, saga.Action(p, w.action(name)))
-		router.AddConsumerHandler("undo-"+name, "undo."+name, sub, saga.Compensation(p, w.compensation(name)))
-	}
-	for _, topic := range w.orch.ReplyTopics() {
-		router.AddConsumerHandler("orchestrator-"+topic, topic, subscriber("orchestrator"), w.orch.Handler)
-	}
-	routerDone := make(chan error, 1)
-	go func() { routerDone <- router.Run(ctx) }()
-	<-router.Running()
 
 	const n = 20
 	ids := make([]string, n)
@@ -104,7 +133,7 @@ func TestEndToEndThroughKafka(t *testing.T) {
 		}
 	}
 	cancel()
-	for _, ch := range []chan error{relayDone, orchDone, routerDone} {
+	for _, ch := range append([]chan error{relayDone, orchDone}, consumersDone...) {
 		if err := <-ch; err != nil {
 			t.Error(err)
 		}

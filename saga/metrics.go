@@ -26,6 +26,9 @@ type Metrics interface {
 	// same delivery again), BarrierNullCompensation (a compensation whose action never ran)
 	// or BarrierHangingAction (an action arriving after its compensation).
 	Barrier(consumer string, outcome BarrierOutcome)
+	// StepError: a participant's handler kept failing with an ordinary error (neither Fail
+	// nor Retry) and its command was answered as a failed attempt carrying the error.
+	StepError(consumer string)
 }
 
 // BarrierOutcome names what a participant's barrier did with a command.
@@ -58,6 +61,9 @@ func (NopMetrics) Stuck(string) {}
 // Ignored implements Metrics.
 func (NopMetrics) Ignored(string) {}
 
+// StepError implements Metrics.
+func (NopMetrics) StepError(string) {}
+
 // Barrier implements Metrics.
 func (NopMetrics) Barrier(string, BarrierOutcome) {}
 
@@ -66,6 +72,7 @@ func (NopMetrics) Barrier(string, BarrierOutcome) {}
 type Counters struct {
 	started, completed, compensated, stuck, ignored atomic.Int64
 	duplicates, nullCompensations, hangingActions   atomic.Int64
+	stepErrors                                      atomic.Int64
 }
 
 var _ Metrics = (*Counters)(nil)
@@ -85,6 +92,9 @@ func (c *Counters) Stuck(string) { c.stuck.Add(1) }
 // Ignored implements Metrics.
 func (c *Counters) Ignored(string) { c.ignored.Add(1) }
 
+// StepError implements Metrics.
+func (c *Counters) StepError(string) { c.stepErrors.Add(1) }
+
 // Barrier implements Metrics.
 func (c *Counters) Barrier(_ string, o BarrierOutcome) {
 	switch o {
@@ -101,6 +111,7 @@ func (c *Counters) Barrier(_ string, o BarrierOutcome) {
 type CountersSnapshot struct {
 	Started, Completed, Compensated, Stuck, Ignored int64
 	Duplicates, NullCompensations, HangingActions   int64
+	StepErrors                                      int64
 }
 
 // Snapshot returns the current totals.
@@ -109,5 +120,6 @@ func (c *Counters) Snapshot() CountersSnapshot {
 		Started: c.started.Load(), Completed: c.completed.Load(), Compensated: c.compensated.Load(),
 		Stuck: c.stuck.Load(), Ignored: c.ignored.Load(),
 		Duplicates: c.duplicates.Load(), NullCompensations: c.nullCompensations.Load(), HangingActions: c.hangingActions.Load(),
+		StepErrors: c.stepErrors.Load(),
 	}
 }

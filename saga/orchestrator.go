@@ -59,6 +59,11 @@ type OrchestratorConfig struct {
 	Logger *slog.Logger
 	// Metrics receives the orchestrator's measurements. Default NopMetrics{}.
 	Metrics Metrics
+	// MaxAttempts is how often Handler tries a reply whose transition fails, with a backoff
+	// from DefaultRetryBackoff doubling, before it sets the saga stuck with the error (and
+	// records the reply in inbox_poison), so the reply partition moves on. Default
+	// DefaultMaxAttempts. (The batched consumer has its own, inboxkafka.BatchConfig.MaxAttempts.)
+	MaxAttempts int
 	// TracerProvider records a `process <reply topic>` span per reply, child of the reply's
 	// creation context, with the saga's id, step and state after the transition. Default
 	// nil: the global provider. Propagator reads the creation context from the metadata;
@@ -108,7 +113,13 @@ func NewOrchestrator(cfg OrchestratorConfig) (*Orchestrator, error) {
 	if cfg.Metrics == nil {
 		cfg.Metrics = NopMetrics{}
 	}
+	if cfg.MaxAttempts == 0 {
+		cfg.MaxAttempts = DefaultMaxAttempts
+	}
 	var problems []error
+	if cfg.MaxAttempts < 1 {
+		problems = append(problems, fmt.Errorf("MaxAttempts is %d; use 0 for the default (%d) or a positive number", cfg.MaxAttempts, DefaultMaxAttempts))
+	}
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool of the database holding the saga tables"))
 	}
@@ -195,26 +206,29 @@ func (o *Orchestrator) lookup(name string, version int) (definition, error) {
 // It must not run behind the inbox middleware: it deduplicates replies itself, in the
 // transition's transaction.
 func (o *Orchestrator) Handler(msg *message.Message) error {
-	ref, isSaga, err := outbox.SagaOf(msg)
-	if err != nil || !isSaga {
-		// Not a reply this orchestrator can read: retrying cannot fix it.
-		o.cfg.Logger.Warn("saga: message on a reply topic without valid saga metadata; acknowledged and dropped",
-			"message_uuid", msg.UUID, "err", err)
-		o.cfg.Metrics.Ignored(msg.Metadata.Get(outbox.MetadataSagaName))
+	ref, key, ok := o.readReply(msg)
+	if !ok {
 		return nil
 	}
-	key, err := inbox.SagaKey(ref)
-	if err != nil {
-		o.cfg.Metrics.Ignored(msg.Metadata.Get(outbox.MetadataSagaName))
-		o.cfg.Logger.Warn("saga: reply without a usable key; dropped", "message_uuid", msg.UUID, "err", err)
-		return nil
+	for tries := 1; ; tries++ {
+		ctx, span := startMessage(o.tr, msg, ref, o.cfg.Consumer)
+		err := o.transition(ctx, ref.ID, key, replyOf(msg, ref))
+		endMessage(span, err)
+		if err == nil || msg.Context().Err() != nil {
+			return err
+		}
+		if tries >= o.cfg.MaxAttempts {
+			// Settled, so the reply partition moves on: the saga is stuck with the error.
+			if serr := o.SettlePoison(msg.Context(), msg, inbox.Poison{Attempts: tries, Err: err}); serr != nil {
+				return errors.Join(err, serr)
+			}
+			return nil
+		}
+		o.cfg.Logger.Warn("saga: a reply's transition failed; trying it again", "saga_id", ref.ID, "try", tries, "max_attempts", o.cfg.MaxAttempts, "err", err)
+		if !sleepCtx(msg.Context(), retryBackoff(tries)) {
+			return err
+		}
 	}
-	ev := event{reply: &replyEvent{Step: ref.Step, Phase: ref.Phase, Attempt: ref.Attempt,
-		Outcome: msg.Metadata.Get(outbox.MetadataSagaOutcome), Reason: msg.Metadata.Get(outbox.MetadataSagaReason), Payload: msg.Payload}}
-	ctx, span := startMessage(o.tr, msg, ref, o.cfg.Consumer)
-	err = o.transition(ctx, ref.ID, key, ev)
-	endMessage(span, err)
-	return err
 }
 
 // transition applies one event to saga id in one transaction. key, when set, is the reply's

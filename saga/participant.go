@@ -40,8 +40,8 @@ func Retry(err error) error {
 	return &outcomeError{outcome: outbox.SagaOutcomeRetry, reason: reason, err: err}
 }
 
-// outcomeError is a handler's typed outcome; any other error fails the message instead (it is
-// redelivered, as the same attempt, and nothing is replied).
+// outcomeError is a handler's typed outcome. Any other error is tried again, then answered as
+// a failed attempt (outcome retry) carrying it; see Action.
 type outcomeError struct {
 	outcome, reason string
 	err             error
@@ -63,8 +63,15 @@ type ParticipantConfig struct {
 	Writer *outbox.Writer
 	// Logger receives skipped commands (debug). Default slog.Default().
 	Logger *slog.Logger
-	// Metrics counts the barrier's decisions (Metrics.Barrier). Default NopMetrics{}.
+	// Metrics counts the barrier's decisions (Metrics.Barrier) and commands answered as
+	// failed after their handler kept failing (Metrics.StepError). Default NopMetrics{}.
 	Metrics Metrics
+	// MaxAttempts is how often Action and Compensation run a command whose handler fails
+	// with an ordinary error (neither Fail nor Retry) or panics, with a backoff from
+	// DefaultRetryBackoff doubling, before answering it as a failed attempt carrying the
+	// error. Default DefaultMaxAttempts. (The batched consumer has its own,
+	// inboxkafka.BatchConfig.MaxAttempts.)
+	MaxAttempts int
 	// TracerProvider records a `process <command topic>` span per command, child of the
 	// command's creation context, so the reply it writes continues the saga's trace. Default
 	// nil: the global provider. Propagator: default nil, the global one or W3C trace
@@ -102,7 +109,13 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 	if cfg.Metrics == nil {
 		cfg.Metrics = NopMetrics{}
 	}
+	if cfg.MaxAttempts == 0 {
+		cfg.MaxAttempts = DefaultMaxAttempts
+	}
 	var problems []error
+	if cfg.MaxAttempts < 1 {
+		problems = append(problems, fmt.Errorf("MaxAttempts is %d; use 0 for the default (%d) or a positive number", cfg.MaxAttempts, DefaultMaxAttempts))
+	}
 	if cfg.Writer == nil {
 		w, err := outbox.NewWriter(outbox.Config{Schema: cfg.Schema, TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator})
 		if err != nil {
@@ -125,23 +138,15 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 
 // Action returns the Watermill handler of a step's command: it decodes the command (JSON) into
 // C, runs h in the command's transaction and replies with h's result R (JSON). h returns
-// Fail(reason) for a business failure, Retry(err) for a transient one; any other error fails
-// the message (rolled back and redelivered, nothing replied). h must not commit or roll back
-// tx (the participant does; tx.Begin savepoints are fine).
+// Fail(reason) for a business failure, Retry(err) for a transient one. Any other error (or a
+// panic) rolls the attempt back and runs it again, up to ParticipantConfig.MaxAttempts times
+// with backoff; then the command is answered as a failed attempt carrying the error, so its
+// partition moves on and the saga retries or compensates. h must not commit or roll back tx
+// (the participant does; tx.Begin savepoints are fine). For inboxkafka.BatchConsumer, use
+// ActionProcessor.
 func Action[C, R any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C) (R, error)) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
-		return p.handle(msg, outbox.SagaPhaseAction, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-			var cmd C
-			if err := json.Unmarshal(msg.Payload, &cmd); err != nil {
-				return nil, Fail(fmt.Sprintf("cannot decode the command as %T: %v", cmd, err))
-			}
-			res, err := h(ctx, tx, cmd)
-			if err != nil {
-				return nil, err
-			}
-			return json.Marshal(res)
-		})
-	}
+	run := actionRun(h)
+	return func(msg *message.Message) error { return p.handle(msg, outbox.SagaPhaseAction, run) }
 }
 
 // Compensation returns the Watermill handler of a step's compensation command, like Action.
@@ -149,14 +154,31 @@ func Action[C, R any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd
 // answers a compensation of an action that never ran without calling h). Fail and Retry both
 // ask the orchestrator to re-send it; after the saga's compensation attempts it is stuck.
 func Compensation[C any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C) error) message.NoPublishHandlerFunc {
-	return func(msg *message.Message) error {
-		return p.handle(msg, outbox.SagaPhaseCompensation, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-			var cmd C
-			if err := json.Unmarshal(msg.Payload, &cmd); err != nil {
-				return nil, Fail(fmt.Sprintf("cannot decode the compensation as %T: %v", cmd, err))
-			}
-			return []byte("{}"), h(ctx, tx, cmd)
-		})
+	run := compensationRun(h)
+	return func(msg *message.Message) error { return p.handle(msg, outbox.SagaPhaseCompensation, run) }
+}
+
+func actionRun[C, R any](h func(ctx context.Context, tx pgx.Tx, cmd C) (R, error)) stepRun {
+	return func(ctx context.Context, tx pgx.Tx, msg *message.Message) ([]byte, error) {
+		var cmd C
+		if err := json.Unmarshal(msg.Payload, &cmd); err != nil {
+			return nil, Fail(fmt.Sprintf("cannot decode the command as %T: %v", cmd, err))
+		}
+		res, err := h(ctx, tx, cmd)
+		if err != nil {
+			return nil, err
+		}
+		return json.Marshal(res)
+	}
+}
+
+func compensationRun[C any](h func(ctx context.Context, tx pgx.Tx, cmd C) error) stepRun {
+	return func(ctx context.Context, tx pgx.Tx, msg *message.Message) ([]byte, error) {
+		var cmd C
+		if err := json.Unmarshal(msg.Payload, &cmd); err != nil {
+			return nil, Fail(fmt.Sprintf("cannot decode the compensation as %T: %v", cmd, err))
+		}
+		return []byte("{}"), h(ctx, tx, cmd)
 	}
 }
 
@@ -169,26 +191,39 @@ func barrierKey(sagaID, step string, phase outbox.SagaPhase) string {
 // errTxManaged is what Commit and Rollback return on a handler's transaction.
 var errTxManaged = fmt.Errorf("%w (saga participant: it commits after writing the reply; to abort, return an error)", outbox.ErrTxManaged)
 
-func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run func(context.Context, pgx.Tx) ([]byte, error)) (err error) {
-	ref, isSaga, err := outbox.SagaOf(msg)
-	if err == nil && !isSaga {
-		err = errors.New("no saga metadata")
-	}
-	replyTo := msg.Metadata.Get(outbox.MetadataSagaReplyTo)
-	if err == nil && replyTo == "" {
-		err = fmt.Errorf("metadata %q is empty", outbox.MetadataSagaReplyTo)
-	}
-	if err == nil && ref.Phase != phase {
-		err = fmt.Errorf("a %s command reached the %s handler; subscribe each handler to its own topic", ref.Phase, phase)
-	}
+// handle runs one command, trying it again while its handler fails with an ordinary error,
+// then answering it as a failed attempt (see Action). Other errors (the database unreachable)
+// are returned, so the router redelivers the command.
+func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run stepRun) error {
+	ref, replyTo, key, err := p.readCommand(msg, phase)
 	if err != nil {
 		// Poison: no retry can fix it; inbox.IsPoison is true so a poison queue takes it.
-		return fmt.Errorf("saga participant %q: message %q: %w: %w", p.cfg.Consumer, msg.UUID, inbox.ErrNoKey, err)
-	}
-	key, err := inbox.SagaKey(ref)
-	if err != nil {
 		return err
 	}
+	for tries := 1; ; tries++ {
+		err := p.handleOnce(msg, phase, ref, replyTo, key, run)
+		var he *handlerError
+		if !errors.As(err, &he) {
+			return err
+		}
+		if tries >= p.cfg.MaxAttempts {
+			return p.settle(msg.Context(), msg, phase, inbox.Poison{Attempts: tries, Err: he.err})
+		}
+		p.cfg.Logger.Warn("saga participant: the handler failed; trying the command again", "consumer", p.cfg.Consumer,
+			"saga_id", ref.ID, "step", ref.Step, "try", tries, "max_attempts", p.cfg.MaxAttempts, "err", he.err)
+		if !sleepCtx(msg.Context(), retryBackoff(tries)) {
+			return he.err
+		}
+	}
+}
+
+// handlerError is a handler's ordinary error (neither Fail nor Retry), or its panic.
+type handlerError struct{ err error }
+
+func (e *handlerError) Error() string { return e.err.Error() }
+func (e *handlerError) Unwrap() error { return e.err }
+
+func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, ref outbox.SagaRef, replyTo, key string, run stepRun) (err error) {
 	ctx, span := startMessage(p.tr, msg, ref, p.cfg.Consumer)
 	defer func() { endMessage(span, err) }()
 	tx, err := p.cfg.Pool.Begin(ctx)
@@ -245,7 +280,7 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 		p.skip(ref, BarrierDuplicate, "an earlier attempt compensated; its reply is on its way")
 		return commit(ctx, tx)
 	default:
-		payload, runErr = p.runHandler(ctx, tx, run)
+		payload, runErr = p.runHandler(ctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return run(ctx, tx, msg) })
 	}
 	outcome, reason := outbox.SagaOutcomeDone, ""
 	var oe *outcomeError
@@ -256,16 +291,9 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 			return fmt.Errorf("saga participant %q: roll back the handler's writes: %w", p.cfg.Consumer, err)
 		}
 	case runErr != nil:
-		return runErr // everything rolls back; the command is redelivered
+		return &handlerError{runErr} // everything rolls back; handle tries again
 	}
-	reply := outbox.SetPartitionKey(outbox.NewMessage(payload), ref.ID)
-	outbox.SetSaga(reply, ref)
-	reply.Metadata.Set(outbox.MetadataSagaName, msg.Metadata.Get(outbox.MetadataSagaName))
-	reply.Metadata.Set(outbox.MetadataSagaOutcome, outcome)
-	if reason != "" {
-		reply.Metadata.Set(outbox.MetadataSagaReason, reason)
-	}
-	if err := p.cfg.Writer.WriteTx(ctx, tx, replyTo, reply); err != nil {
+	if err := p.cfg.Writer.WriteTx(ctx, tx, "", p.reply(msg, ref, replyTo, outcome, reason, payload)); err != nil {
 		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, err)
 	}
 	return commit(ctx, tx)
@@ -274,9 +302,16 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 // runHandler runs the handler on a view of tx that it cannot end. A handler that tried to end
 // it (COMMIT in SQL) or left it aborted fails the command, whatever it returned: its writes
 // cannot be trusted to be whole.
-func (p *Participant) runHandler(ctx context.Context, tx pgx.Tx, run func(context.Context, pgx.Tx) ([]byte, error)) ([]byte, error) {
+func (p *Participant) runHandler(ctx context.Context, tx pgx.Tx, run func(context.Context, pgx.Tx) ([]byte, error)) (payload []byte, err error) {
 	view, done := pgsql.ManagedTx(tx, errTxManaged)
-	payload, err := run(ctx, view)
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				err = fmt.Errorf("saga participant %q: the handler panicked: %v", p.cfg.Consumer, r)
+			}
+		}()
+		payload, err = run(ctx, view)
+	}()
 	if misuse := done(); misuse != nil {
 		return nil, fmt.Errorf("saga participant %q: %w", p.cfg.Consumer, misuse)
 	}

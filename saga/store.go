@@ -16,7 +16,8 @@ import (
 // store holds the SQL of one schema's saga tables.
 type store struct {
 	schema                                    string
-	insert, lock, update, setTimer, delTimer  string
+	insert, lock, lockMany, update, setTimer  string
+	delTimer, stuck                           string
 	delTimers, claimTimers, selectOne, insOpr string
 }
 
@@ -31,6 +32,15 @@ func newStore(schema string) store {
 		// now() comes along: transitions compute timer deadlines on the database clock, the
 		// one the timer claim compares them with.
 		lock: `SELECT ` + cols + `, now() FROM ` + sagaT + ` WHERE id = $1 FOR UPDATE`,
+		// Rows locked in id order, whoever locks them: two orchestrators applying replies of
+		// the same sagas in batches wait for each other instead of deadlocking.
+		lockMany: `SELECT ` + cols + `, now() FROM ` + sagaT + ` WHERE id = ANY($1::text[]) ORDER BY id FOR UPDATE`,
+		// A saga whose message cannot be applied (SettlePoison): stuck with the error, its
+		// step timer gone (it would only fire into the same failure).
+		stuck: `WITH s AS (UPDATE ` + sagaT + ` SET state = 'stuck', error = $2, updated_at = now()
+			WHERE id = $1 AND state IN ('running', 'compensating') RETURNING id, name)
+			, t AS (DELETE FROM ` + timerT + ` WHERE saga_id IN (SELECT id FROM s) AND kind = 'step')
+			SELECT name FROM s`,
 		update: `UPDATE ` + sagaT + ` SET state = $2, step = $3, attempt = $4, budget = $5, waiting = $6, data = $7, steps = $8,
 			error = $9, updated_at = now(), finished_at = CASE WHEN $2 IN ('completed', 'compensated') THEN now() END WHERE id = $1`,
 		setTimer: `INSERT INTO ` + timerT + ` (saga_id, kind, step, phase, attempt, action, due_at) VALUES ($1, $2, $3, $4, $5, $6, $7)
@@ -109,15 +119,24 @@ func (st store) scan(row pgx.Row, id string) (*instance, time.Time, error) {
 	return &in, now, nil
 }
 
-// saveTx stores a transition's outcome: the saga row, its timers and its outbox rows.
+// saveTx stores a transition's outcome in one round trip: the saga row, its timers and its
+// outbox rows.
 func (st store) saveTx(ctx context.Context, tx pgx.Tx, w *outbox.Writer, in *instance, fx *effects) error {
+	b := &pgx.Batch{}
+	if err := st.queueUpdate(b, in); err != nil {
+		return err
+	}
+	return st.send(ctx, tx, b, w, in, fx, nil)
+}
+
+// queueUpdate queues the update of a saga's row to its state in memory.
+func (st store) queueUpdate(b *pgx.Batch, in *instance) error {
 	steps, err := json.Marshal(in.Steps)
 	if err != nil {
 		return err
 	}
-	b := &pgx.Batch{}
 	b.Queue(st.update, in.ID, in.State, in.Step, in.Attempt, in.Budget, in.Waiting, in.Data, steps, in.Error)
-	return st.send(ctx, tx, b, w, in, fx, nil)
+	return nil
 }
 
 // saveTimersAndCommands stores what a new saga's first transition decided: its timers and
@@ -126,33 +145,67 @@ func (st store) saveTimersAndCommands(ctx context.Context, tx pgx.Tx, w *outbox.
 	return st.send(ctx, tx, &pgx.Batch{}, w, in, fx, deadline)
 }
 
+// send adds a transition's timers and commands to b and sends it: one round trip.
 func (st store) send(ctx context.Context, tx pgx.Tx, b *pgx.Batch, w *outbox.Writer, in *instance, fx *effects, deadline *timer) error {
-	switch {
-	case fx.cancelAll:
-		if fx.hadStepTimer || fx.hadDeadline {
-			b.Queue(st.delTimers, in.ID)
-		}
-	case fx.setStep != nil:
-		t := fx.setStep
-		b.Queue(st.setTimer, in.ID, t.Kind, t.Step, string(t.Phase), t.Attempt, t.Action, t.Due)
-	case fx.cancelStep && fx.hadStepTimer:
-		b.Queue(st.delTimer, in.ID, timerStep)
-	}
-	if deadline != nil {
-		b.Queue(st.setTimer, in.ID, deadline.Kind, 0, "", 0, deadline.Action, deadline.Due)
-	}
-	if b.Len() > 0 {
-		// One round trip for the row and its timers.
-		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			return fmt.Errorf("saga: store saga %q: %w", in.ID, st.explain(err))
-		}
-	}
+	st.queueTimers(b, in.ID, fx, deadline)
 	if len(fx.commands) > 0 {
-		if err := w.WriteTx(ctx, tx, "", fx.commands...); err != nil {
+		if err := w.QueueWriteTx(ctx, b, "", fx.commands...); err != nil {
 			return fmt.Errorf("saga: write the commands of saga %q: %w", in.ID, err)
 		}
 	}
+	if b.Len() == 0 {
+		return nil
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("saga: store saga %q: %w", in.ID, st.explain(err))
+	}
 	return nil
+}
+
+// queueTimers queues a transition's timer changes into b.
+func (st store) queueTimers(b *pgx.Batch, id string, fx *effects, deadline *timer) {
+	switch {
+	case fx.cancelAll:
+		if fx.hadStepTimer || fx.hadDeadline {
+			b.Queue(st.delTimers, id)
+		}
+	case fx.setStep != nil:
+		t := fx.setStep
+		b.Queue(st.setTimer, id, t.Kind, t.Step, string(t.Phase), t.Attempt, t.Action, t.Due)
+	case fx.cancelStep && fx.hadStepTimer:
+		b.Queue(st.delTimer, id, timerStep)
+	}
+	if deadline != nil {
+		b.Queue(st.setTimer, id, deadline.Kind, 0, "", 0, deadline.Action, deadline.Due)
+	}
+}
+
+// lockManyTx locks the sagas with the given ids (sorted, distinct) in one statement and
+// returns them by id, with the database's clock; an id without a row is absent.
+func (st store) lockManyTx(ctx context.Context, tx pgx.Tx, ids []string) (map[string]*instance, time.Time, error) {
+	rows, err := tx.Query(ctx, st.lockMany, ids)
+	if err != nil {
+		return nil, time.Time{}, fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
+	}
+	defer rows.Close()
+	out := make(map[string]*instance, len(ids))
+	var now time.Time
+	for rows.Next() {
+		in, t, err := st.scan(rows, "")
+		if err != nil {
+			return nil, now, err
+		}
+		out[in.ID], now = in, t
+	}
+	if err := rows.Err(); err != nil {
+		return nil, now, fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
+	}
+	if len(out) == 0 { // no row, so no clock: read it
+		if err := tx.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
+			return nil, now, err
+		}
+	}
+	return out, now, nil
 }
 
 // due is a claimed timer.

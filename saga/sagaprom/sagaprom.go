@@ -22,6 +22,7 @@ import (
 //	onceflow_saga_stuck_total{saga}             sagas whose compensation ran out of attempts
 //	onceflow_saga_ignored_total{saga}           late, duplicate-attempt or unknown replies and timers
 //	onceflow_saga_barrier_total{consumer, outcome}  outcome: duplicate, null_compensation, hanging_action
+//	onceflow_saga_step_errors_total{consumer}   commands whose handler kept failing, answered as failed attempts
 type Metrics struct {
 	saga.NopMetrics
 	started  *prometheus.CounterVec
@@ -30,6 +31,7 @@ type Metrics struct {
 	stuck    *prometheus.CounterVec
 	ignored  *prometheus.CounterVec
 	barrier  *prometheus.CounterVec
+	errors   *prometheus.CounterVec
 }
 
 var _ saga.Metrics = (*Metrics)(nil)
@@ -55,8 +57,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		stuck:   counter("stuck_total", "Sagas whose compensation ran out of attempts; they wait for `onceflow saga retry`.", "saga"),
 		ignored: counter("ignored_total", "Replies, timers and operator requests that changed nothing (late, for a finished saga, ...).", "saga"),
 		barrier: counter("barrier_total", "Commands a participant's barrier skipped or short-cut, by outcome (duplicate, null_compensation, hanging_action).", "consumer", "outcome"),
+		errors:  counter("step_errors_total", "Commands whose handler kept failing with an ordinary error, answered as failed attempts carrying it.", "consumer"),
 	}
-	for _, c := range []prometheus.Collector{m.started, m.finished, m.duration, m.stuck, m.ignored, m.barrier} {
+	for _, c := range []prometheus.Collector{m.started, m.finished, m.duration, m.stuck, m.ignored, m.barrier, m.errors} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -88,3 +91,6 @@ func (m *Metrics) Ignored(name string) { m.ignored.WithLabelValues(name).Inc() }
 func (m *Metrics) Barrier(consumer string, o saga.BarrierOutcome) {
 	m.barrier.WithLabelValues(consumer, string(o)).Inc()
 }
+
+// StepError implements saga.Metrics.
+func (m *Metrics) StepError(consumer string) { m.errors.WithLabelValues(consumer).Inc() }

@@ -1,0 +1,465 @@
+package saga
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// Retry defaults for messages whose handling fails with an ordinary error: a participant's
+// handler returning neither Fail nor Retry (a database hiccup, a bug, a panic), or a reply
+// whose transition cannot be applied. Such a message is tried DefaultMaxAttempts times with
+// a backoff starting at DefaultRetryBackoff and doubling, then settled so that its partition
+// moves on: a command is answered as a failed attempt carrying the error (the orchestrator's
+// Attempts, backoff and compensation then apply), a reply sets its saga stuck with the error.
+// Redelivering it forever would block every other saga behind it on its partition.
+const (
+	DefaultMaxAttempts  = 5
+	DefaultRetryBackoff = 100 * time.Millisecond
+	maxRetryBackoff     = 5 * time.Second
+)
+
+var (
+	_ inbox.BatchProcessor = (*Orchestrator)(nil)
+	_ inbox.BatchProcessor = (*stepProcessor)(nil)
+)
+
+// ProcessBatch applies replies of many sagas in one transaction, for
+// inboxkafka.BatchConsumer (the Orchestrator is an inbox.BatchProcessor):
+//
+//	c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: brokers,
+//		Group: "orchestrator", Topics: orch.ReplyTopics(), Processor: orch})
+//
+// Every reply's dedup key is claimed in one statement, the sagas are locked in one statement
+// in id order (two orchestrators never deadlock), replies of the same saga are applied in
+// order on one in-memory row, and the rows, timers and every command they send go to the
+// server in one pipelined round trip before the commit. A reply whose transition cannot be
+// computed fails the batch as an *inbox.MessageError naming it.
+func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message) (err error) {
+	type reply struct {
+		index int
+		msg   *message.Message
+		ref   outbox.SagaRef
+		key   string
+	}
+	replies := make([]reply, 0, len(msgs))
+	keys := make([]string, 0, len(msgs))
+	for i, msg := range msgs {
+		ref, key, ok := o.readReply(msg)
+		if ok {
+			replies = append(replies, reply{i, msg, ref, key})
+			keys = append(keys, key)
+		}
+	}
+	if len(replies) == 0 {
+		return nil
+	}
+	tx, err := o.cfg.Pool.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("saga: begin transaction: %w", err)
+	}
+	defer rollback(tx)
+	claimed, err := o.ib.ClaimTx(ctx, tx, keys...)
+	if err != nil {
+		return err
+	}
+	var ids []string
+	fresh := replies[:0:0]
+	for j, r := range replies {
+		if !claimed[j] {
+			o.cfg.Logger.Debug("saga: duplicate reply skipped", "saga_id", r.ref.ID, "dedup_key", r.key)
+			continue
+		}
+		fresh = append(fresh, r)
+		ids = append(ids, r.ref.ID)
+	}
+	if len(fresh) == 0 {
+		return nil // every reply was a duplicate: nothing to commit
+	}
+	slices.Sort(ids)
+	ids = slices.Compact(ids)
+	sagas, now, err := o.st.lockManyTx(ctx, tx, ids)
+	if err != nil {
+		return err
+	}
+	type done struct {
+		ctx  context.Context
+		in   *instance
+		fx   *effects
+		span trace.Span
+	}
+	var applied []done
+	defer func() {
+		for _, d := range applied {
+			endMessage(d.span, err)
+		}
+	}()
+	b := &pgx.Batch{}
+	var commands []*message.Message
+	var changed []*instance // in the order first changed
+	for _, r := range fresh {
+		in := sagas[r.ref.ID]
+		if in == nil {
+			o.cfg.Logger.Warn("saga: reply for an unknown saga acknowledged", "saga_id", r.ref.ID)
+			o.cfg.Metrics.Ignored("")
+			continue
+		}
+		def, err := o.lookup(in.Name, in.Version)
+		if err != nil {
+			return &inbox.MessageError{Index: r.index, Err: err}
+		}
+		mctx, span := startMessage(o.tr, r.msg, r.ref, o.cfg.Consumer)
+		m := &machine{def: def, now: now, in: in}
+		if err := m.apply(replyOf(r.msg, r.ref)); err != nil {
+			endMessage(span, err)
+			return &inbox.MessageError{Index: r.index, Err: fmt.Errorf("saga %q (%s): %w", in.ID, in.Name, err)}
+		}
+		applied = append(applied, done{mctx, in, &m.fx, span})
+		if m.fx.stale != "" {
+			continue
+		}
+		if !slices.Contains(changed, in) {
+			changed = append(changed, in)
+		}
+		o.st.queueTimers(b, in.ID, &m.fx, nil)
+		commands = append(commands, m.fx.commands...)
+	}
+	for _, in := range changed {
+		if err := o.st.queueUpdate(b, in); err != nil {
+			return err
+		}
+	}
+	if len(commands) > 0 {
+		if err := o.cfg.Writer.QueueWriteTx(ctx, b, "", commands...); err != nil {
+			return fmt.Errorf("saga: write %d commands: %w", len(commands), err)
+		}
+	}
+	if b.Len() > 0 {
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return fmt.Errorf("saga: store %d sagas: %w", len(changed), o.st.explain(err))
+		}
+	}
+	if err := commit(ctx, tx); err != nil {
+		return err
+	}
+	for _, d := range applied {
+		o.observe(d.in, d.fx, now)
+		noteTransition(d.ctx, d.in, d.fx)
+	}
+	return nil
+}
+
+// readReply reads a reply's saga reference and dedup key. A message that is not a reply this
+// orchestrator can read is logged, counted as ignored and dropped: retrying cannot fix it.
+func (o *Orchestrator) readReply(msg *message.Message) (outbox.SagaRef, string, bool) {
+	ref, isSaga, err := outbox.SagaOf(msg)
+	if err != nil || !isSaga {
+		o.cfg.Logger.Warn("saga: message on a reply topic without valid saga metadata; acknowledged and dropped",
+			"message_uuid", msg.UUID, "err", err)
+		o.cfg.Metrics.Ignored(msg.Metadata.Get(outbox.MetadataSagaName))
+		return ref, "", false
+	}
+	key, err := inbox.SagaKey(ref)
+	if err != nil {
+		o.cfg.Metrics.Ignored(msg.Metadata.Get(outbox.MetadataSagaName))
+		o.cfg.Logger.Warn("saga: reply without a usable key; dropped", "message_uuid", msg.UUID, "err", err)
+		return ref, "", false
+	}
+	return ref, key, true
+}
+
+func replyOf(msg *message.Message, ref outbox.SagaRef) event {
+	return event{reply: &replyEvent{Step: ref.Step, Phase: ref.Phase, Attempt: ref.Attempt,
+		Outcome: msg.Metadata.Get(outbox.MetadataSagaOutcome), Reason: msg.Metadata.Get(outbox.MetadataSagaReason), Payload: msg.Payload}}
+}
+
+// SettlePoison gives up a reply whose transition kept failing: in one transaction its dedup
+// row and poison row (`onceflow inbox poison`) are written and its saga is set stuck with the
+// error (`onceflow saga show` shows it; `onceflow saga retry` resumes it once the cause is
+// fixed), so the reply partition moves on.
+func (o *Orchestrator) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
+	ref, isSaga, _ := outbox.SagaOf(msg)
+	var name string
+	err := pgx.BeginFunc(ctx, o.cfg.Pool, func(tx pgx.Tx) error {
+		if err := o.ib.SettlePoisonTx(ctx, tx, msg, p); err != nil {
+			return err
+		}
+		if !isSaga {
+			return nil
+		}
+		reason := fmt.Sprintf("the %s reply of step %q (attempt %d) could not be applied after %d tries: %v", ref.Phase, ref.Step, ref.Attempt, p.Attempts, p.Err)
+		err := tx.QueryRow(ctx, o.st.stuck, ref.ID, reason).Scan(&name)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil // unknown or finished: nothing to stop
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("saga: settle reply %q: %w", msg.UUID, o.st.explain(err))
+	}
+	o.ib.LogPoison(msg, p)
+	if name != "" {
+		o.cfg.Metrics.Stuck(name)
+		o.cfg.Logger.Error("saga: stuck: a reply could not be applied; resume it with `onceflow saga retry` once the cause is fixed",
+			"saga_id", ref.ID, "saga", name, "step", ref.Step, "err", p.Err)
+	}
+	return nil
+}
+
+// ActionProcessor is Action for inboxkafka.BatchConsumer: the commands of a batch run in one
+// transaction, their dedup keys and barrier keys each claimed in one statement and their
+// replies written in one outbox statement. A command whose handler fails with an ordinary
+// error is retried by the consumer (BatchConfig.MaxAttempts) and then answered as a failed
+// attempt carrying the error (SettlePoison).
+func ActionProcessor[C, R any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C) (R, error)) inbox.BatchProcessor {
+	return &stepProcessor{p: p, phase: outbox.SagaPhaseAction, run: actionRun(h)}
+}
+
+// CompensationProcessor is Compensation for inboxkafka.BatchConsumer; see ActionProcessor.
+func CompensationProcessor[C any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C) error) inbox.BatchProcessor {
+	return &stepProcessor{p: p, phase: outbox.SagaPhaseCompensation, run: compensationRun(h)}
+}
+
+// stepRun decodes a command and runs the step's handler on it, returning the reply payload.
+type stepRun func(ctx context.Context, tx pgx.Tx, msg *message.Message) ([]byte, error)
+
+type stepProcessor struct {
+	p     *Participant
+	phase outbox.SagaPhase
+	run   stepRun
+}
+
+// command is one saga command of a batch.
+type command struct {
+	index   int
+	msg     *message.Message
+	ref     outbox.SagaRef
+	replyTo string
+	key     string
+	// outcome, once a handler returned Fail or Retry: the batch is run again without
+	// running this handler, and the command is answered with it.
+	outcome *outcomeError
+}
+
+// ProcessBatch implements inbox.BatchProcessor.
+func (sp *stepProcessor) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
+	cmds := make([]*command, len(msgs))
+	for i, msg := range msgs {
+		ref, replyTo, key, err := sp.p.readCommand(msg, sp.phase)
+		if err != nil {
+			return &inbox.MessageError{Index: i, Err: err}
+		}
+		cmds[i] = &command{index: i, msg: msg, ref: ref, replyTo: replyTo, key: key}
+	}
+	// A handler that returns Fail or Retry must leave no write behind, but its command's
+	// dedup row and reply must commit. Without a savepoint per command, the batch is rolled
+	// back and run again with that outcome decided: each such command costs one re-run.
+	for {
+		var oe *outcomeError
+		idx, err := sp.p.runBatch(ctx, sp.phase, cmds, sp.run, &oe)
+		if err == nil || oe == nil {
+			return err
+		}
+		cmds[idx].outcome = oe
+	}
+}
+
+// SettlePoison answers a command whose handler kept failing as a failed attempt carrying the
+// error (outcome retry: the orchestrator re-sends it within the step's attempts, then
+// compensates), with its dedup row, in one transaction. A command that is not a valid saga
+// command is recorded as poison (`onceflow inbox poison`).
+func (sp *stepProcessor) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
+	return sp.p.settle(ctx, msg, sp.phase, p)
+}
+
+// readCommand checks a command's saga metadata; an error (wrapping inbox.ErrNoKey: poison,
+// no retry can fix it) when it is not a command of this phase.
+func (p *Participant) readCommand(msg *message.Message, phase outbox.SagaPhase) (ref outbox.SagaRef, replyTo, key string, err error) {
+	ref, isSaga, err := outbox.SagaOf(msg)
+	if err == nil && !isSaga {
+		err = errors.New("no saga metadata")
+	}
+	replyTo = msg.Metadata.Get(outbox.MetadataSagaReplyTo)
+	if err == nil && replyTo == "" {
+		err = fmt.Errorf("metadata %q is empty", outbox.MetadataSagaReplyTo)
+	}
+	if err == nil && ref.Phase != phase {
+		err = fmt.Errorf("a %s command reached the %s handler; subscribe each handler to its own topic", ref.Phase, phase)
+	}
+	if err != nil {
+		return ref, "", "", fmt.Errorf("saga participant %q: message %q: %w: %w", p.cfg.Consumer, msg.UUID, inbox.ErrNoKey, err)
+	}
+	key, err = inbox.SagaKey(ref)
+	return ref, replyTo, key, err
+}
+
+// runBatch runs cmds in one transaction. When a handler returns Fail or Retry, it stops,
+// rolls back and returns that command's index with *oe set, so the caller runs the batch
+// again with that outcome decided.
+func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds []*command, run stepRun, oe **outcomeError) (int, error) {
+	tx, err := p.cfg.Pool.Begin(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
+	}
+	defer rollback(tx)
+	keys := make([]string, len(cmds))
+	for i, c := range cmds {
+		keys[i] = c.key
+	}
+	claimed, err := p.ib.ClaimTx(ctx, tx, keys...)
+	if err != nil {
+		return 0, err
+	}
+	// The barrier, for the new commands whose handler may run: the action keys claimed in
+	// one statement (for a compensation with its own key: claims lock in key order, and an
+	// action key sorts before its compensation's), then, for actions, which compensations
+	// already committed — read after the claims, which waited for concurrent compensations.
+	var barrier []string
+	var fresh []*command
+	for i, c := range cmds {
+		if !claimed[i] {
+			p.skip(c.ref, BarrierDuplicate, "the same command again")
+			continue
+		}
+		fresh = append(fresh, c)
+		if c.outcome == nil {
+			barrier = append(barrier, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction))
+			if phase == outbox.SagaPhaseCompensation {
+				barrier = append(barrier, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
+			}
+		}
+	}
+	if len(fresh) == 0 {
+		return 0, nil // all duplicates: nothing to commit
+	}
+	free := map[string]bool{}
+	if len(barrier) > 0 {
+		got, err := p.ib.ClaimTx(ctx, tx, barrier...)
+		if err != nil {
+			return 0, err
+		}
+		for i, k := range barrier {
+			free[k] = got[i]
+		}
+	}
+	compensated := map[string]bool{}
+	if phase == outbox.SagaPhaseAction && len(barrier) > 0 {
+		comp := make([]string, len(fresh))
+		for i, c := range fresh {
+			comp[i] = barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)
+		}
+		seen, err := p.ib.SeenManyTx(ctx, tx, comp...)
+		if err != nil {
+			return 0, err
+		}
+		for i, k := range comp {
+			compensated[k] = seen[i]
+		}
+	}
+	var replies []*message.Message
+	for _, c := range fresh {
+		payload, outcome, reason := []byte("{}"), outbox.SagaOutcomeDone, ""
+		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
+		compKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)
+		switch {
+		case c.outcome != nil:
+			outcome, reason = c.outcome.outcome, c.outcome.reason
+		case phase == outbox.SagaPhaseAction && !free[actionKey] && compensated[compKey]:
+			p.skip(c.ref, BarrierHangingAction, "the action arrived after its compensation")
+			continue // its dedup row commits; no reply
+		case phase == outbox.SagaPhaseAction && !free[actionKey]:
+			p.skip(c.ref, BarrierDuplicate, "an earlier attempt took effect; its reply is on its way")
+			continue
+		case phase == outbox.SagaPhaseCompensation && free[actionKey]:
+			// The action never ran; its key is now taken, so it never will. Nothing to undo.
+			p.skip(c.ref, BarrierNullCompensation, "the action never ran")
+		case phase == outbox.SagaPhaseCompensation && !free[compKey]:
+			p.skip(c.ref, BarrierDuplicate, "an earlier attempt compensated; its reply is on its way")
+			continue
+		default:
+			mctx, span := startMessage(p.tr, c.msg, c.ref, p.cfg.Consumer)
+			out, err := p.runHandler(mctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return run(ctx, tx, c.msg) })
+			endMessage(span, err)
+			if errors.As(err, oe) {
+				return c.index, err
+			}
+			if err != nil {
+				return 0, &inbox.MessageError{Index: c.index, Err: err}
+			}
+			payload = out
+		}
+		replies = append(replies, p.reply(c.msg, c.ref, c.replyTo, outcome, reason, payload))
+	}
+	if len(replies) > 0 {
+		if err := p.cfg.Writer.WriteTx(ctx, tx, "", replies...); err != nil {
+			return 0, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), err)
+		}
+	}
+	return 0, commit(ctx, tx)
+}
+
+// reply builds the reply to a command, addressed to its reply topic.
+func (p *Participant) reply(cmd *message.Message, ref outbox.SagaRef, replyTo, outcome, reason string, payload []byte) *message.Message {
+	reply := outbox.SetPartitionKey(outbox.NewMessage(payload), ref.ID)
+	outbox.SetSaga(reply, ref)
+	reply.Metadata.Set(outbox.MetadataSagaName, cmd.Metadata.Get(outbox.MetadataSagaName))
+	reply.Metadata.Set(outbox.MetadataSagaOutcome, outcome)
+	if reason != "" {
+		reply.Metadata.Set(outbox.MetadataSagaReason, reason)
+	}
+	return outbox.ToTopic(reply, replyTo)
+}
+
+// settle answers a command whose handler kept failing as a failed attempt (see
+// stepProcessor.SettlePoison); an invalid command is recorded as poison.
+func (p *Participant) settle(ctx context.Context, msg *message.Message, phase outbox.SagaPhase, ps inbox.Poison) error {
+	ref, replyTo, key, err := p.readCommand(msg, phase)
+	if err != nil {
+		return p.ib.SettlePoison(ctx, msg, ps)
+	}
+	reason := fmt.Sprintf("handler failed %d times: %v", ps.Attempts, ps.Err)
+	err = pgx.BeginFunc(ctx, p.cfg.Pool, func(tx pgx.Tx) error {
+		claimed, err := p.ib.ClaimTx(ctx, tx, key)
+		if err != nil || !claimed[0] {
+			return err // a duplicate: the first delivery was answered
+		}
+		return p.cfg.Writer.WriteTx(ctx, tx, "", p.reply(msg, ref, replyTo, outbox.SagaOutcomeRetry, reason, []byte("{}")))
+	})
+	if err != nil {
+		return fmt.Errorf("saga participant %q: answer command %q as failed: %w", p.cfg.Consumer, msg.UUID, err)
+	}
+	p.cfg.Metrics.StepError(p.cfg.Consumer)
+	p.cfg.Logger.Error("saga participant: a command's handler kept failing; answered as a failed attempt (the saga retries or compensates)",
+		"consumer", p.cfg.Consumer, "saga_id", ref.ID, "step", ref.Step, "phase", ref.Phase, "attempt", ref.Attempt,
+		"tries", ps.Attempts, "err", ps.Err)
+	return nil
+}
+
+// retryBackoff is the wait before try n+1 (n ≥ 1) of a failing message handled per message.
+func retryBackoff(n int) time.Duration {
+	d := DefaultRetryBackoff
+	for i := 1; i < n && d < maxRetryBackoff; i++ {
+		d *= 2
+	}
+	return min(d, maxRetryBackoff)
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
