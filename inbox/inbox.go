@@ -188,7 +188,7 @@ func New(cfg Config) (*Inbox, error) {
 		claimOneSQL:  `INSERT INTO ` + table + ` (consumer, dedup_key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
 		claimManySQL: `INSERT INTO ` + table + ` (consumer, dedup_key) SELECT $1, k FROM unnest($2::text[]) AS u(k) ON CONFLICT DO NOTHING RETURNING dedup_key`,
 		seenSQL:      `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND dedup_key = $2)`,
-		seenManySQL: `SELECT dedup_key FROM ` + table + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
+		seenManySQL:  `SELECT dedup_key FROM ` + table + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
 		poisonSQL: `INSERT INTO ` + pgsql.Table(cfg.Schema, "inbox_poison") +
 			` (consumer, dedup_key, message_uuid, source, metadata, payload, attempts, error) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
 		errManaged: fmt.Errorf("%w (inbox consumer %q: it commits after writing the handler's returned messages; to abort, return an error from the handler)",

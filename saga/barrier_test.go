@@ -10,6 +10,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/saga"
 )
@@ -30,18 +31,24 @@ type barrierWorld struct {
 	action, compensation message.NoPublishHandlerFunc
 }
 
-func newBarrierWorld(t *testing.T, slowAction time.Duration) *barrierWorld {
+func newBarrierWorld(t *testing.T, slowAction time.Duration, batched ...bool) *barrierWorld {
 	w := newWorld(t, checkoutDef(t, nil))
 	p := w.participant("reserve")
 	act := w.action("reserve")
-	return &barrierWorld{world: w,
-		action: saga.Action(p, func(ctx context.Context, tx pgx.Tx, cmd stepCmd) (stepResult, error) {
-			res, err := act(ctx, tx, cmd)
-			time.Sleep(slowAction) // holds the barrier row while a compensation arrives
-			return res, err
-		}),
-		compensation: saga.Compensation(p, w.compensation("reserve")),
+	slow := func(ctx context.Context, tx pgx.Tx, cmd stepCmd) (stepResult, error) {
+		res, err := act(ctx, tx, cmd)
+		time.Sleep(slowAction) // holds the barrier row while a compensation arrives
+		return res, err
 	}
+	if len(batched) > 0 && batched[0] {
+		// Each delivery a batch of one, through the batched processors.
+		single := func(bp inbox.BatchProcessor) message.NoPublishHandlerFunc {
+			return func(msg *message.Message) error { return bp.ProcessBatch(msg.Context(), []*message.Message{msg}) }
+		}
+		return &barrierWorld{world: w, action: single(saga.ActionProcessor(p, slow)),
+			compensation: single(saga.CompensationProcessor(p, w.compensation("reserve")))}
+	}
+	return &barrierWorld{world: w, action: saga.Action(p, slow), compensation: saga.Compensation(p, w.compensation("reserve"))}
 }
 
 // replies returns the outcomes of the replies in the outbox, as "phase:outcome".
@@ -63,55 +70,59 @@ func (w *barrierWorld) replies() []string {
 // dedup hits.
 func TestBarrierCompensationBeforeAction(t *testing.T) {
 	t.Parallel()
-	w := newBarrierWorld(t, 0)
-	for range 2 {
-		if err := w.compensation(command("s1", outbox.SagaPhaseCompensation, 1)); err != nil {
-			t.Fatal(err)
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newBarrierWorld(t, 0, batched)
+		for range 2 {
+			if err := w.compensation(command("s1", outbox.SagaPhaseCompensation, 1)); err != nil {
+				t.Fatal(err)
+			}
 		}
-	}
-	for range 2 {
-		if err := w.action(command("s1", outbox.SagaPhaseAction, 1)); err != nil {
-			t.Fatal(err)
+		for range 2 {
+			if err := w.action(command("s1", outbox.SagaPhaseAction, 1)); err != nil {
+				t.Fatal(err)
+			}
 		}
-	}
-	if fx := w.effects("s1"); len(fx) != 0 {
-		t.Fatalf("effects %v, want none", fx)
-	}
-	if w.calls["reserve/action"] != 0 || w.calls["reserve/compensation"] != 0 {
-		t.Fatalf("handler calls %v, want none", w.calls)
-	}
-	if got := strings.Join(w.replies(), " "); got != "compensation:done" {
-		t.Fatalf("replies %q, want one compensation:done", got)
-	}
-	s := w.metrics.Snapshot()
-	if s.NullCompensations != 1 || s.HangingActions != 1 || s.Duplicates != 2 {
-		t.Fatalf("barrier metrics %+v, want 1 null compensation, 1 hanging action, 2 duplicates", s)
-	}
+		if fx := w.effects("s1"); len(fx) != 0 {
+			t.Fatalf("effects %v, want none", fx)
+		}
+		if w.calls["reserve/action"] != 0 || w.calls["reserve/compensation"] != 0 {
+			t.Fatalf("handler calls %v, want none", w.calls)
+		}
+		if got := strings.Join(w.replies(), " "); got != "compensation:done" {
+			t.Fatalf("replies %q, want one compensation:done", got)
+		}
+		s := w.metrics.Snapshot()
+		if s.NullCompensations != 1 || s.HangingActions != 1 || s.Duplicates != 2 {
+			t.Fatalf("barrier metrics %+v, want 1 null compensation, 1 hanging action, 2 duplicates", s)
+		}
+	})
 }
 
 // Action, then its compensation: both run once, whatever the duplicates; a re-sent action
 // attempt after the effect is skipped (its first reply is on its way).
 func TestBarrierActionThenCompensation(t *testing.T) {
 	t.Parallel()
-	w := newBarrierWorld(t, 0)
-	for _, m := range []*message.Message{
-		command("s1", outbox.SagaPhaseAction, 1), command("s1", outbox.SagaPhaseAction, 1), command("s1", outbox.SagaPhaseAction, 2),
-	} {
-		if err := w.action(m); err != nil {
-			t.Fatal(err)
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newBarrierWorld(t, 0, batched)
+		for _, m := range []*message.Message{
+			command("s1", outbox.SagaPhaseAction, 1), command("s1", outbox.SagaPhaseAction, 1), command("s1", outbox.SagaPhaseAction, 2),
+		} {
+			if err := w.action(m); err != nil {
+				t.Fatal(err)
+			}
 		}
-	}
-	for range 2 {
-		if err := w.compensation(command("s1", outbox.SagaPhaseCompensation, 1)); err != nil {
-			t.Fatal(err)
+		for range 2 {
+			if err := w.compensation(command("s1", outbox.SagaPhaseCompensation, 1)); err != nil {
+				t.Fatal(err)
+			}
 		}
-	}
-	if got := strings.Join(w.effects("s1"), " "); got != "reserve/action reserve/compensation" {
-		t.Fatalf("effects %q", got)
-	}
-	if got := strings.Join(w.replies(), " "); got != "action:done compensation:done" {
-		t.Fatalf("replies %q", got)
-	}
+		if got := strings.Join(w.effects("s1"), " "); got != "reserve/action reserve/compensation" {
+			t.Fatalf("effects %q", got)
+		}
+		if got := strings.Join(w.replies(), " "); got != "action:done compensation:done" {
+			t.Fatalf("replies %q", got)
+		}
+	})
 }
 
 // Action and compensation at the same time, many times: either the action ran and was
@@ -119,32 +130,34 @@ func TestBarrierActionThenCompensation(t *testing.T) {
 // nothing, never a double effect.
 func TestBarrierConcurrentActionAndCompensation(t *testing.T) {
 	t.Parallel()
-	w := newBarrierWorld(t, 5*time.Millisecond)
-	for i := range 30 {
-		id := "s" + string(rune('a'+i%26)) + strings.Repeat("x", i/26)
-		var wg sync.WaitGroup
-		errs := make(chan error, 4)
-		for _, run := range []func() error{
-			func() error { return w.action(command(id, outbox.SagaPhaseAction, 1)) },
-			func() error { return w.compensation(command(id, outbox.SagaPhaseCompensation, 1)) },
-			func() error { return w.action(command(id, outbox.SagaPhaseAction, 1)) },
-			func() error { return w.compensation(command(id, outbox.SagaPhaseCompensation, 1)) },
-		} {
-			wg.Add(1)
-			go func() { defer wg.Done(); errs <- run() }()
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			if err != nil {
-				t.Fatal(err)
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newBarrierWorld(t, 5*time.Millisecond, batched)
+		for i := range 30 {
+			id := "s" + string(rune('a'+i%26)) + strings.Repeat("x", i/26)
+			var wg sync.WaitGroup
+			errs := make(chan error, 4)
+			for _, run := range []func() error{
+				func() error { return w.action(command(id, outbox.SagaPhaseAction, 1)) },
+				func() error { return w.compensation(command(id, outbox.SagaPhaseCompensation, 1)) },
+				func() error { return w.action(command(id, outbox.SagaPhaseAction, 1)) },
+				func() error { return w.compensation(command(id, outbox.SagaPhaseCompensation, 1)) },
+			} {
+				wg.Add(1)
+				go func() { defer wg.Done(); errs <- run() }()
+			}
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			fx := strings.Join(w.effects(id), " ")
+			if fx != "" && fx != "reserve/action reserve/compensation" {
+				t.Fatalf("saga %s: effects %q; want none, or the action then its compensation", id, fx)
 			}
 		}
-		fx := strings.Join(w.effects(id), " ")
-		if fx != "" && fx != "reserve/action reserve/compensation" {
-			t.Fatalf("saga %s: effects %q; want none, or the action then its compensation", id, fx)
-		}
-	}
+	})
 }
 
 // A participant's handler that ends its transaction with SQL fails its try and keeps nothing

@@ -84,6 +84,7 @@ type world struct {
 	orch    *saga.Orchestrator
 	bus     *sagatest.Bus
 	metrics *saga.Counters
+	batched bool // consumers take their messages in batches
 
 	mu        sync.Mutex
 	fail      map[string]string // step -> business failure reason
@@ -97,6 +98,24 @@ type world struct {
 // (their commands stay in the outbox) until subscribeAction is called.
 func newWorld(t *testing.T, def *saga.Definition[Checkout], down ...string) *world {
 	t.Helper()
+	return newWorldMode(t, false, def, down...)
+}
+
+// forModes runs test as parallel subtests, with per-message and with batched consumers.
+func forModes(t *testing.T, test func(t *testing.T, batched bool)) {
+	for _, batched := range []bool{false, true} {
+		name := "per-message"
+		if batched {
+			name = "batched"
+		}
+		t.Run(name, func(t *testing.T) { t.Parallel(); test(t, batched) })
+	}
+}
+
+// newWorldMode is newWorld with the orchestrator and participants consuming in batches
+// (saga.ActionProcessor, saga.CompensationProcessor, Orchestrator.ProcessBatch) when batched.
+func newWorldMode(t *testing.T, batched bool, def *saga.Definition[Checkout], down ...string) *world {
+	t.Helper()
 	db := testdb.New(t)
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+db.Schema+`.effect (seq bigserial PRIMARY KEY, saga text NOT NULL, step text NOT NULL, phase text NOT NULL)`); err != nil {
@@ -106,15 +125,39 @@ func newWorld(t *testing.T, def *saga.Definition[Checkout], down ...string) *wor
 		compFail: map[string]int{}, calls: map[string]int{}, failOrder: map[string]string{}}
 	w.orch = w.newOrchestrator()
 	w.bus = sagatest.NewBus(db.Pool, db.Schema)
-	w.bus.Orchestrate(w.orch)
+	w.batched = batched
+	w.orchestrate(w.orch)
 	for _, name := range stepNames {
-		p := w.participant(name)
-		if !slices.Contains(down, name) {
+		w.subscribeParticipant(name, !slices.Contains(down, name))
+	}
+	return w
+}
+
+// orchestrate subscribes o to the replies, in batches in a batched world.
+func (w *world) orchestrate(o *saga.Orchestrator) {
+	if w.batched {
+		w.bus.OrchestrateBatched(o)
+	} else {
+		w.bus.Orchestrate(o)
+	}
+}
+
+// subscribeParticipant subscribes an instance of step name's participant: its compensation,
+// and its action when action is set.
+func (w *world) subscribeParticipant(name string, action bool) {
+	p := w.participant(name)
+	switch {
+	case w.batched:
+		if action {
+			w.bus.SubscribeBatch("cmd."+name, saga.ActionProcessor(p, w.action(name)))
+		}
+		w.bus.SubscribeBatch("undo."+name, saga.CompensationProcessor(p, w.compensation(name)))
+	default:
+		if action {
 			w.bus.Subscribe("cmd."+name, saga.Action(p, w.action(name)))
 		}
 		w.bus.Subscribe("undo."+name, saga.Compensation(p, w.compensation(name)))
 	}
-	return w
 }
 
 func (w *world) participant(name string) *saga.Participant {

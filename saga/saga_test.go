@@ -19,25 +19,27 @@ import (
 
 func TestHappyPath(t *testing.T) {
 	t.Parallel()
-	w := newWorld(t, checkoutDef(t, nil))
-	id := w.start("o-1")
-	d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
-	if d.State != saga.StateCompleted {
-		t.Fatalf("state %s (%s), want completed", d.State, d.Error)
-	}
-	if got, want := w.effects(id), []string{"reserve/action", "charge/action", "confirm/action"}; !slices.Equal(got, want) {
-		t.Fatalf("effects %v, want %v", got, want)
-	}
-	var data Checkout
-	if err := json.Unmarshal(d.Data, &data); err != nil || data.ReservationID != "reserve-o-1" || data.PaymentID != "charge-o-1" {
-		t.Fatalf("OnReply did not update the data: %s (%v)", d.Data, err)
-	}
-	if statuses(d) != "reserve:done charge:done confirm:done" || len(d.Timers) != 0 {
-		t.Fatalf("steps %s, timers %v", statuses(d), d.Timers)
-	}
-	if s := w.metrics.Snapshot(); s.Started != 1 || s.Completed != 1 || s.Compensated != 0 {
-		t.Fatalf("metrics %+v", s)
-	}
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newWorldMode(t, batched, checkoutDef(t, nil))
+		id := w.start("o-1")
+		d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
+		if d.State != saga.StateCompleted {
+			t.Fatalf("state %s (%s), want completed", d.State, d.Error)
+		}
+		if got, want := w.effects(id), []string{"reserve/action", "charge/action", "confirm/action"}; !slices.Equal(got, want) {
+			t.Fatalf("effects %v, want %v", got, want)
+		}
+		var data Checkout
+		if err := json.Unmarshal(d.Data, &data); err != nil || data.ReservationID != "reserve-o-1" || data.PaymentID != "charge-o-1" {
+			t.Fatalf("OnReply did not update the data: %s (%v)", d.Data, err)
+		}
+		if statuses(d) != "reserve:done charge:done confirm:done" || len(d.Timers) != 0 {
+			t.Fatalf("steps %s, timers %v", statuses(d), d.Timers)
+		}
+		if s := w.metrics.Snapshot(); s.Started != 1 || s.Completed != 1 || s.Compensated != 0 {
+			t.Fatalf("metrics %+v", s)
+		}
+	})
 }
 
 // A business failure at each step in turn: exactly the steps that took effect are
@@ -75,11 +77,12 @@ func TestBusinessFailureCompensatesCompletedSteps(t *testing.T) {
 // without duplicates.
 func TestDuplicatesChangeNothing(t *testing.T) {
 	t.Parallel()
-	for _, failing := range []bool{false, true} {
-		t.Run(fmt.Sprint("failing=", failing), func(t *testing.T) {
+	for _, c := range []struct{ failing, batched bool }{{false, false}, {true, false}, {false, true}, {true, true}} {
+		failing := c.failing
+		t.Run(fmt.Sprint("failing=", failing, ",batched=", c.batched), func(t *testing.T) {
 			t.Parallel()
 			run := func(twice bool) (*saga.Detail, []string, *world) {
-				w := newWorld(t, checkoutDef(t, nil))
+				w := newWorldMode(t, c.batched, checkoutDef(t, nil))
 				w.bus.DeliverTwice = twice
 				if failing {
 					w.fail["confirm"] = "out of stock"
@@ -105,22 +108,31 @@ func TestDuplicatesChangeNothing(t *testing.T) {
 // Every command and reply delivered twice, at the same time, to two orchestrator instances
 // and two instances of each participant: each effect once, and the end state of a run
 // without duplicates.
+//
+// Batched, the copies are two batches of the same replies (and commands) at once: the two
+// orchestrators lock the same saga rows in one statement each, in id order, so they wait for
+// each other and never deadlock.
 func TestConcurrentDuplicatesToTwoOrchestrators(t *testing.T) {
 	t.Parallel()
-	for _, failAt := range []string{"", "confirm"} {
-		t.Run("fail="+failAt, func(t *testing.T) {
+	for _, c := range []struct {
+		failAt  string
+		batched bool
+	}{{"", false}, {"confirm", false}, {"", true}, {"confirm", true}} {
+		failAt := c.failAt
+		t.Run(fmt.Sprint("fail=", failAt, ",batched=", c.batched), func(t *testing.T) {
 			t.Parallel()
-			w := newWorld(t, checkoutDef(t, nil))
-			second := w.newOrchestrator() // its own instance, on its own pool
-			w.bus.Orchestrate(second)
-			for _, name := range stepNames { // a second instance of every participant
-				p := w.participant(name)
-				w.bus.Subscribe("cmd."+name, saga.Action(p, w.action(name)))
-				w.bus.Subscribe("undo."+name, saga.Compensation(p, w.compensation(name)))
+			w := newWorldMode(t, c.batched, checkoutDef(t, nil))
+			w.orchestrate(w.newOrchestrator()) // a second instance, on its own pool
+			for _, name := range stepNames {   // a second instance of every participant
+				w.subscribeParticipant(name, true)
 			}
 			w.bus.DeliverTwice, w.bus.Concurrent = true, true
 			var ids []string
-			for i := range 5 {
+			n := 5
+			if c.batched {
+				n = 40 // batches of many sagas, locked by both orchestrators at once
+			}
+			for i := range n {
 				order := fmt.Sprintf("o-%d", i)
 				if failAt != "" {
 					w.failOrder[order] = failAt
@@ -149,122 +161,130 @@ func TestConcurrentDuplicatesToTwoOrchestrators(t *testing.T) {
 // attempts' writes are rolled back.
 func TestRetryBeforeCompensate(t *testing.T) {
 	t.Parallel()
-	w := newWorld(t, checkoutDef(t, nil))
-	w.transient["charge"] = 2
-	id := w.start("o-1")
-	d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
-	if d.State != saga.StateCompleted {
-		t.Fatalf("state %s (%s)", d.State, d.Error)
-	}
-	charge := d.Steps[1]
-	if charge.Attempts != 3 || w.calls["charge/action"] != 3 || len(charge.Sent) != 3 {
-		t.Fatalf("charge attempts %d, handler calls %d, sent %d; want 3 each", charge.Attempts, w.calls["charge/action"], len(charge.Sent))
-	}
-	if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "charge/action", "confirm/action"}) {
-		t.Fatalf("effects %v: the transient failures' writes were kept", got)
-	}
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newWorldMode(t, batched, checkoutDef(t, nil))
+		w.transient["charge"] = 2
+		id := w.start("o-1")
+		d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
+		if d.State != saga.StateCompleted {
+			t.Fatalf("state %s (%s)", d.State, d.Error)
+		}
+		charge := d.Steps[1]
+		if charge.Attempts != 3 || w.calls["charge/action"] != 3 || len(charge.Sent) != 3 {
+			t.Fatalf("charge attempts %d, handler calls %d, sent %d; want 3 each", charge.Attempts, w.calls["charge/action"], len(charge.Sent))
+		}
+		if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "charge/action", "confirm/action"}) {
+			t.Fatalf("effects %v: the transient failures' writes were kept", got)
+		}
+	})
 }
 
 // Attempt 1 of a step times out, attempt 2 succeeds, and then attempt 1's reply arrives: it
 // changes nothing (acknowledged and counted as ignored).
 func TestLateReplyOfEarlierAttempt(t *testing.T) {
 	t.Parallel()
-	def := checkoutDef(t, func(name string, s *saga.StepDef[Checkout]) {
-		if name == "charge" {
-			s.Attempts(3, time.Millisecond).Timeout(150 * time.Millisecond)
-		}
-	})
-	w := newWorld(t, def, "charge")
-	id := w.start("o-1")
-	if err := w.bus.RunUntil(context.Background(), func() bool { return w.get(id).Steps[1].Attempts == 2 }); err != nil {
-		t.Fatal(err)
-	}
-	// Attempt 1 is still somewhere (a slow participant); attempt 2 is handled now.
-	w.subscribeAction("charge", func(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
-		return func(msg *message.Message) error {
-			if msg.Metadata.Get(outbox.MetadataSagaAttempt) == "1" {
-				return nil
+	forModes(t, func(t *testing.T, batched bool) {
+		def := checkoutDef(t, func(name string, s *saga.StepDef[Checkout]) {
+			if name == "charge" {
+				s.Attempts(3, time.Millisecond).Timeout(150 * time.Millisecond)
 			}
-			return h(msg)
+		})
+		w := newWorldMode(t, batched, def, "charge")
+		id := w.start("o-1")
+		if err := w.bus.RunUntil(context.Background(), func() bool { return w.get(id).Steps[1].Attempts == 2 }); err != nil {
+			t.Fatal(err)
+		}
+		// Attempt 1 is still somewhere (a slow participant); attempt 2 is handled now.
+		w.subscribeAction("charge", func(h message.NoPublishHandlerFunc) message.NoPublishHandlerFunc {
+			return func(msg *message.Message) error {
+				if msg.Metadata.Get(outbox.MetadataSagaAttempt) == "1" {
+					return nil
+				}
+				return h(msg)
+			}
+		})
+		before := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
+		if before.State != saga.StateCompleted {
+			t.Fatalf("state %s (%s)", before.State, before.Error)
+		}
+		late := outbox.SetSaga(outbox.NewMessage([]byte(`{"id":"late"}`)), outbox.SagaRef{ID: id, Step: "charge", Attempt: 1})
+		late.Metadata.Set(outbox.MetadataSagaOutcome, outbox.SagaOutcomeDone)
+		late.SetContext(context.Background())
+		ignored := w.metrics.Snapshot().Ignored
+		if err := w.orch.Handler(late); err != nil {
+			t.Fatal(err)
+		}
+		after := w.get(id)
+		if after.State != before.State || string(after.Data) != string(before.Data) || statuses(after) != statuses(before) {
+			t.Fatalf("a late reply changed the saga: %s %s", after.State, after.Data)
+		}
+		if w.metrics.Snapshot().Ignored != ignored+1 {
+			t.Fatal("the late reply was not counted as ignored")
+		}
+		if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "charge/action", "confirm/action"}) {
+			t.Fatalf("effects %v", got)
 		}
 	})
-	before := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
-	if before.State != saga.StateCompleted {
-		t.Fatalf("state %s (%s)", before.State, before.Error)
-	}
-	late := outbox.SetSaga(outbox.NewMessage([]byte(`{"id":"late"}`)), outbox.SagaRef{ID: id, Step: "charge", Attempt: 1})
-	late.Metadata.Set(outbox.MetadataSagaOutcome, outbox.SagaOutcomeDone)
-	late.SetContext(context.Background())
-	ignored := w.metrics.Snapshot().Ignored
-	if err := w.orch.Handler(late); err != nil {
-		t.Fatal(err)
-	}
-	after := w.get(id)
-	if after.State != before.State || string(after.Data) != string(before.Data) || statuses(after) != statuses(before) {
-		t.Fatalf("a late reply changed the saga: %s %s", after.State, after.Data)
-	}
-	if w.metrics.Snapshot().Ignored != ignored+1 {
-		t.Fatal("the late reply was not counted as ignored")
-	}
-	if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "charge/action", "confirm/action"}) {
-		t.Fatalf("effects %v", got)
-	}
 }
 
 // Transient failures beyond the step's attempts compensate.
 func TestAttemptsExhaustedCompensates(t *testing.T) {
 	t.Parallel()
-	w := newWorld(t, checkoutDef(t, nil))
-	w.transient["charge"] = 100
-	id := w.start("o-1")
-	d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
-	if d.State != saga.StateCompensated || d.Steps[1].Attempts != 3 || !strings.Contains(d.Error, "after 3 attempts") {
-		t.Fatalf("state %s, charge attempts %d, error %q", d.State, d.Steps[1].Attempts, d.Error)
-	}
-	if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "reserve/compensation"}) {
-		t.Fatalf("effects %v", got)
-	}
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newWorldMode(t, batched, checkoutDef(t, nil))
+		w.transient["charge"] = 100
+		id := w.start("o-1")
+		d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated)
+		if d.State != saga.StateCompensated || d.Steps[1].Attempts != 3 || !strings.Contains(d.Error, "after 3 attempts") {
+			t.Fatalf("state %s, charge attempts %d, error %q", d.State, d.Steps[1].Attempts, d.Error)
+		}
+		if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "reserve/compensation"}) {
+			t.Fatalf("effects %v", got)
+		}
+	})
 }
 
 // A compensation that keeps failing makes the saga stuck, visible with its error; an
 // operator's retry (once the cause is fixed) resumes it to compensated.
 func TestStuckCompensationAndOperatorRetry(t *testing.T) {
 	t.Parallel()
-	def := checkoutDef(t, nil, saga.WithCompensationAttempts(2, 5*time.Millisecond))
-	w := newWorld(t, def)
-	w.fail["charge"] = "card declined"
-	w.compFail["reserve"] = -1 // fails until changed
-	id := w.start("o-1")
-	d := w.runUntil(id, saga.StateStuck)
-	if !strings.Contains(d.Error, "refund service down") || d.Steps[0].CompAttempts != 2 || d.Steps[0].Status != "compensating" {
-		t.Fatalf("stuck saga: error %q, reserve %+v", d.Error, d.Steps[0])
-	}
-	if s := w.metrics.Snapshot(); s.Stuck != 1 {
-		t.Fatalf("metrics %+v", s)
-	}
-	list, err := w.admin().List(context.Background(), w.db.Pool, saga.ListFilter{State: saga.StateStuck})
-	if err != nil || len(list) != 1 || list[0].ID != id || list[0].Step != "reserve" {
-		t.Fatalf("list stuck = %+v, %v", list, err)
-	}
-	// Retrying a saga that is not stuck is refused.
-	other := w.start("o-2")
-	err = pgx.BeginFunc(context.Background(), w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(context.Background(), tx, other) })
-	if !errors.Is(err, saga.ErrWrongState) {
-		t.Fatalf("retry of a running saga: %v", err)
-	}
-	w.mu.Lock()
-	w.compFail["reserve"] = 0 // the cause is fixed
-	w.mu.Unlock()
-	if err := pgx.BeginFunc(context.Background(), w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(context.Background(), tx, id) }); err != nil {
-		t.Fatal(err)
-	}
-	d = w.runUntil(id, saga.StateCompensated)
-	if d.Steps[0].Status != "compensated" || d.Steps[0].CompAttempts != 3 {
-		t.Fatalf("after retry: %+v", d.Steps[0])
-	}
-	if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "reserve/compensation"}) {
-		t.Fatalf("effects %v (the failed compensations' writes must be rolled back)", got)
-	}
+	forModes(t, func(t *testing.T, batched bool) {
+		def := checkoutDef(t, nil, saga.WithCompensationAttempts(2, 5*time.Millisecond))
+		w := newWorldMode(t, batched, def)
+		w.fail["charge"] = "card declined"
+		w.compFail["reserve"] = -1 // fails until changed
+		id := w.start("o-1")
+		d := w.runUntil(id, saga.StateStuck)
+		if !strings.Contains(d.Error, "refund service down") || d.Steps[0].CompAttempts != 2 || d.Steps[0].Status != "compensating" {
+			t.Fatalf("stuck saga: error %q, reserve %+v", d.Error, d.Steps[0])
+		}
+		if s := w.metrics.Snapshot(); s.Stuck != 1 {
+			t.Fatalf("metrics %+v", s)
+		}
+		list, err := w.admin().List(context.Background(), w.db.Pool, saga.ListFilter{State: saga.StateStuck})
+		if err != nil || len(list) != 1 || list[0].ID != id || list[0].Step != "reserve" {
+			t.Fatalf("list stuck = %+v, %v", list, err)
+		}
+		// Retrying a saga that is not stuck is refused.
+		other := w.start("o-2")
+		err = pgx.BeginFunc(context.Background(), w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(context.Background(), tx, other) })
+		if !errors.Is(err, saga.ErrWrongState) {
+			t.Fatalf("retry of a running saga: %v", err)
+		}
+		w.mu.Lock()
+		w.compFail["reserve"] = 0 // the cause is fixed
+		w.mu.Unlock()
+		if err := pgx.BeginFunc(context.Background(), w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(context.Background(), tx, id) }); err != nil {
+			t.Fatal(err)
+		}
+		d = w.runUntil(id, saga.StateCompensated)
+		if d.Steps[0].Status != "compensated" || d.Steps[0].CompAttempts != 3 {
+			t.Fatalf("after retry: %+v", d.Steps[0])
+		}
+		if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "reserve/compensation"}) {
+			t.Fatalf("effects %v (the failed compensations' writes must be rolled back)", got)
+		}
+	})
 }
 
 // Starting the same id twice is one saga; the same id for another definition is refused.

@@ -10,7 +10,9 @@
 //	err := bus.RunUntil(ctx, func() bool { return finished(id) })
 //
 // The handlers see each message once per delivery; DeliverTwice duplicates every delivery,
-// to check that duplicates change nothing.
+// to check that duplicates change nothing. SubscribeBatch and OrchestrateBatched hand the
+// pending messages of a topic to an inbox.BatchProcessor (saga.ActionProcessor, an
+// orchestrator) in one batch, as inboxkafka.BatchConsumer does.
 package sagatest
 
 import (
@@ -24,6 +26,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/saga"
 )
@@ -33,6 +36,7 @@ type Bus struct {
 	pool     *pgxpool.Pool
 	schema   string
 	handlers map[string][]func(*message.Message) error
+	batches  map[string][]inbox.BatchProcessor
 	orchs    []*saga.Orchestrator
 	// DeliverTwice hands every message to its handlers twice (two copies with the same UUID
 	// and metadata), like a broker redelivering it.
@@ -48,7 +52,22 @@ type Bus struct {
 
 // NewBus returns a bus over the outbox of schema.
 func NewBus(pool *pgxpool.Pool, schema string) *Bus {
-	return &Bus{pool: pool, schema: schema, handlers: map[string][]func(*message.Message) error{}}
+	return &Bus{pool: pool, schema: schema, handlers: map[string][]func(*message.Message) error{}, batches: map[string][]inbox.BatchProcessor{}}
+}
+
+// SubscribeBatch hands the messages written to topic to p, all those pending at a Deliver in
+// one ProcessBatch call (each twice in a row with DeliverTwice; the copies as two batches at
+// once with Concurrent).
+func (b *Bus) SubscribeBatch(topic string, p inbox.BatchProcessor) {
+	b.batches[topic] = append(b.batches[topic], p)
+}
+
+// OrchestrateBatched is Orchestrate with o consuming its replies in batches (SubscribeBatch).
+func (b *Bus) OrchestrateBatched(o *saga.Orchestrator) {
+	for _, t := range o.ReplyTopics() {
+		b.SubscribeBatch(t, o)
+	}
+	b.orchs = append(b.orchs, o)
 }
 
 // Subscribe hands every message written to topic to h (Action, Compensation, or an
@@ -103,7 +122,16 @@ func (b *Bus) Deliver(ctx context.Context) (int, error) {
 		return 0, err
 	}
 	n := 0
+	batched := map[string][]row{}
+	var topics []string // of batched, in the order first seen
 	for _, r := range pending {
+		if len(b.batches[r.topic]) > 0 {
+			if batched[r.topic] == nil {
+				topics = append(topics, r.topic)
+			}
+			batched[r.topic] = append(batched[r.topic], r)
+			continue
+		}
 		hs := b.handlers[r.topic]
 		if len(hs) == 0 {
 			continue
@@ -129,7 +157,47 @@ func (b *Bus) Deliver(ctx context.Context) (int, error) {
 		}
 		n++
 	}
+	for _, topic := range topics {
+		rs := batched[topic]
+		var deliveries []func() error
+		var ids []int64
+		for _, r := range rs {
+			ids = append(ids, r.id)
+		}
+		for _, p := range b.batches[topic] {
+			copies := [][]*message.Message{nil}
+			if b.DeliverTwice && b.Concurrent {
+				copies = append(copies, nil)
+			}
+			for c := range copies {
+				for _, r := range rs {
+					for range 1 + boolInt(b.DeliverTwice && !b.Concurrent) {
+						m := r.msg.Copy()
+						m.SetContext(ctx)
+						copies[c] = append(copies[c], m)
+					}
+				}
+				batch := copies[c]
+				b.Delivered += len(batch)
+				deliveries = append(deliveries, func() error { return p.ProcessBatch(ctx, batch) })
+			}
+		}
+		if err := b.run(deliveries); err != nil {
+			return n, fmt.Errorf("sagatest: batch of %d messages of %q failed: %w", len(rs), topic, err)
+		}
+		if _, err := b.pool.Exec(ctx, `DELETE FROM `+outbox+` WHERE id = ANY($1)`, ids); err != nil {
+			return n, err
+		}
+		n += len(rs)
+	}
 	return n, nil
+}
+
+func boolInt(v bool) int {
+	if v {
+		return 1
+	}
+	return 0
 }
 
 // run calls the deliveries one after the other, or all at once when Concurrent is set.
