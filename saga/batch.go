@@ -87,7 +87,7 @@ func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message
 	}
 	slices.Sort(ids)
 	ids = slices.Compact(ids)
-	sagas, now, err := o.st.lockManyTx(ctx, tx, ids)
+	sagas, broken, now, err := o.st.lockManyTx(ctx, tx, ids)
 	if err != nil {
 		return err
 	}
@@ -107,6 +107,9 @@ func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message
 	var commands []*message.Message
 	var changed []*instance // in the order first changed
 	for _, r := range fresh {
+		if err := broken[r.ref.ID]; err != nil {
+			return &inbox.MessageError{Index: r.index, Err: err}
+		}
 		in := sagas[r.ref.ID]
 		if in == nil {
 			o.cfg.Logger.Warn("saga: reply for an unknown saga acknowledged", "saga_id", r.ref.ID)

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -34,11 +35,47 @@ func TestEndToEndThroughKafka(t *testing.T) {
 // at a time) or on inboxkafka.BatchConsumer (ActionProcessor, CompensationProcessor and the
 // orchestrator as BatchProcessors).
 func endToEnd(t *testing.T, batched bool) {
-	w := newWorld(t, checkoutDef(t, nil))
-	brokers := kafkatest.Brokers(t, 2)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
+	w := newWorldMode(t, batched, checkoutDef(t, nil))
+	stop := w.throughKafka(kafkatest.Brokers(t, 2))
+	defer stop()
 
+	const n = 20
+	ids := make([]string, n)
+	for i := range ids {
+		order := fmt.Sprintf("o-%02d", i)
+		if i%4 == 3 {
+			w.mu.Lock()
+			w.failOrder[order] = "charge"
+			w.mu.Unlock()
+		}
+		ids[i] = w.start(order)
+	}
+	w.waitFinished(ids, 60*time.Second)
+	for i, id := range ids {
+		d := w.get(id)
+		fx := w.effects(id)
+		want, state := []string{"reserve/action", "charge/action", "confirm/action"}, saga.StateCompleted
+		if i%4 == 3 {
+			want, state = []string{"reserve/action", "reserve/compensation"}, saga.StateCompensated
+		}
+		if d.State != state || !slices.Equal(fx, want) {
+			t.Errorf("saga %s: %s with effects %v, want %s with %v", id, d.State, fx, state, want)
+		}
+	}
+}
+
+// quietLogger keeps the relay's info lines out of the test output.
+func quietLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+// throughKafka runs the world's saga through the outbox, a relay (franz-go to brokers) and
+// Kafka consumers — a Watermill router with watermill-kafka subscribers, or
+// inboxkafka.BatchConsumers in a batched world — one consumer group per handler, and the
+// orchestrator's timers. stop ends them all and checks they stopped cleanly.
+func (w *world) throughKafka(brokers []string) (stop func()) {
+	t := w.t
+	ctx, cancel := context.WithCancel(context.Background())
 	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: brokers})
 	if err != nil {
 		t.Fatal(err)
@@ -48,21 +85,22 @@ func endToEnd(t *testing.T, batched bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	relayDone := make(chan error, 1)
-	go func() { relayDone <- r.Run(ctx) }()
-	orchDone := make(chan error, 1)
-	go func() { orchDone <- w.orch.Run(ctx) }()
-
-	var consumersDone []chan error
-	if batched {
+	var done []chan error
+	goRun := func(run func(context.Context) error) {
+		ch := make(chan error, 1)
+		go func() { ch <- run(ctx) }()
+		done = append(done, ch)
+	}
+	goRun(r.Run)
+	goRun(w.orch.Run)
+	if w.batched {
 		consume := func(group string, p inbox.BatchProcessor, topics ...string) {
-			c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: brokers, Group: group, Topics: topics, Processor: p, Logger: quietLogger()})
+			c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: brokers, Group: group, Topics: topics, Processor: p,
+				MaxAttempts: max(w.maxAttempts, 1), Logger: quietLogger()})
 			if err != nil {
 				t.Fatal(err)
 			}
-			done := make(chan error, 1)
-			go func() { done <- c.Run(ctx) }()
-			consumersDone = append(consumersDone, done)
+			goRun(c.Run)
 		}
 		for _, name := range stepNames {
 			p := w.participant(name)
@@ -84,31 +122,30 @@ func endToEnd(t *testing.T, batched bool) {
 		}
 		for _, name := range stepNames {
 			p := w.participant(name)
-			sub := subscriber("svc-" + name)
-			router.AddConsumerHandler(name, "cmd."+name, sub, saga.Action(p, w.action(name)))
-			router.AddConsumerHandler("undo-"+name, "undo."+name, sub, saga.Compensation(p, w.compensation(name)))
+			router.AddConsumerHandler(name, "cmd."+name, subscriber("svc-"+name), saga.Action(p, w.action(name)))
+			router.AddConsumerHandler("undo-"+name, "undo."+name, subscriber("undo-"+name), saga.Compensation(p, w.compensation(name)))
 		}
 		for _, topic := range w.orch.ReplyTopics() {
-			router.AddConsumerHandler("orchestrator-"+topic, topic, subscriber("orchestrator"), w.orch.Handler)
+			router.AddConsumerHandler("orchestrator-"+topic, topic, subscriber("orchestrator-"+topic), w.orch.Handler)
 		}
-		routerDone := make(chan error, 1)
-		go func() { routerDone <- router.Run(ctx) }()
+		goRun(router.Run)
 		<-router.Running()
-		consumersDone = append(consumersDone, routerDone)
 	}
-
-	const n = 20
-	ids := make([]string, n)
-	for i := range ids {
-		order := fmt.Sprintf("o-%02d", i)
-		if i%4 == 3 {
-			w.mu.Lock()
-			w.failOrder[order] = "charge"
-			w.mu.Unlock()
+	return func() {
+		cancel()
+		for _, ch := range done {
+			if err := <-ch; err != nil {
+				t.Error(err)
+			}
 		}
-		ids[i] = w.start(order)
+		_ = sink.Close()
 	}
-	deadline := time.Now().Add(60 * time.Second)
+}
+
+// waitFinished waits until every saga of ids has finished, failing after limit.
+func (w *world) waitFinished(ids []string, limit time.Duration) {
+	w.t.Helper()
+	deadline := time.Now().Add(limit)
 	for _, id := range ids {
 		for {
 			d := w.get(id)
@@ -116,32 +153,89 @@ func endToEnd(t *testing.T, batched bool) {
 				break
 			}
 			if time.Now().After(deadline) {
-				t.Fatalf("saga %s still %s at step %s (%s)", id, d.State, d.Step, statuses(d))
+				w.t.Fatalf("saga %s still %s at step %s (%s) after %s", id, d.State, d.Step, statuses(d), limit)
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	for i, id := range ids {
-		d := w.get(id)
-		fx := w.effects(id)
-		want, state := []string{"reserve/action", "charge/action", "confirm/action"}, saga.StateCompleted
-		if i%4 == 3 {
-			want, state = []string{"reserve/action", "reserve/compensation"}, saga.StateCompensated
-		}
-		if d.State != state || !slices.Equal(fx, want) {
-			t.Errorf("saga %s: %s with effects %v, want %s with %v", id, d.State, fx, state, want)
-		}
-	}
-	cancel()
-	for _, ch := range append([]chan error{relayDone, orchDone}, consumersDone...) {
-		if err := <-ch; err != nil {
-			t.Error(err)
-		}
-	}
-	_ = sink.Close()
 }
 
-// quietLogger keeps the relay's info lines out of the test output.
-func quietLogger() *slog.Logger {
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+// A participant whose handler returns an ordinary error (not Fail or Retry) for one saga,
+// started first among 200 on a one-partition topic: the command is tried a few times, then
+// answered as a failed attempt carrying the error, so the partition moves on and the other
+// 199 sagas complete; the broken saga compensates after its attempts, and its error is in
+// its history (`onceflow saga show`).
+func TestFailingParticipantDoesNotWedgeItsPartition(t *testing.T) {
+	t.Parallel()
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newWorldMode(t, batched, checkoutDef(t, nil))
+		w.maxAttempts = 2
+		stop := w.throughKafka(kafkatest.Brokers(t, 1))
+		defer stop()
+		w.mu.Lock()
+		w.broken["o-000"] = "charge"
+		w.mu.Unlock()
+		var ids []string
+		for i := range 200 {
+			ids = append(ids, w.start(fmt.Sprintf("o-%03d", i)))
+		}
+		w.waitFinished(ids, 90*time.Second)
+		for i, id := range ids {
+			d := w.get(id)
+			if i == 0 {
+				if d.State != saga.StateCompensated || !strings.Contains(d.Steps[1].LastError+d.Error, "neither Fail nor Retry") {
+					t.Fatalf("broken saga: %s, error %q, charge's last error %q; want compensated with the handler's error", d.State, d.Error, d.Steps[1].LastError)
+				}
+				if got := strings.Join(w.effects(id), " "); got != "reserve/action reserve/compensation" {
+					t.Fatalf("broken saga's effects %q", got)
+				}
+				continue
+			}
+			if d.State != saga.StateCompleted {
+				t.Fatalf("saga %s: %s (%s)", id, d.State, d.Error)
+			}
+		}
+		if s := w.metrics.Snapshot(); s.StepErrors != 3 { // one per attempt of the step
+			t.Fatalf("metrics %+v: want 3 commands answered as failed", s)
+		}
+	})
+}
+
+// A reply whose transition keeps failing (here: its saga row has a corrupt step history)
+// started first among 50 on one partition: the reply is tried a few times, then its saga is
+// set stuck with the error and the reply recorded as poison, so the reply partition moves on
+// and the other sagas complete.
+func TestFailingReplyDoesNotWedgeTheOrchestrator(t *testing.T) {
+	t.Parallel()
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newWorldMode(t, batched, checkoutDef(t, nil))
+		w.maxAttempts = 2
+		ids := []string{w.start("o-000")}
+		if _, err := w.db.Pool.Exec(context.Background(), `UPDATE `+w.db.Schema+`.saga SET steps = '{"not": "a list"}' WHERE id = 'o-000'`); err != nil {
+			t.Fatal(err)
+		}
+		for i := 1; i < 50; i++ {
+			ids = append(ids, w.start(fmt.Sprintf("o-%03d", i)))
+		}
+		stop := w.throughKafka(kafkatest.Brokers(t, 1))
+		defer stop()
+		w.waitFinished(ids[1:], 90*time.Second)
+		deadline := time.Now().Add(60 * time.Second)
+		var state, reason string
+		for state != string(saga.StateStuck) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the unreadable saga is %q (%q), want stuck", state, reason)
+			}
+			time.Sleep(20 * time.Millisecond)
+			if err := w.db.Pool.QueryRow(context.Background(), `SELECT state, error FROM `+w.db.Schema+`.saga WHERE id = 'o-000'`).Scan(&state, &reason); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if !strings.Contains(reason, "corrupt step history") {
+			t.Fatalf("stuck with error %q, want the transition's error", reason)
+		}
+		if n := w.count(`SELECT count(*) FROM ` + w.db.Schema + `.inbox_poison WHERE consumer = 'onceflow-saga'`); n != 1 {
+			t.Fatalf("%d poison rows for the reply, want 1", n)
+		}
+	})
 }

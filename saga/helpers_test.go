@@ -85,10 +85,13 @@ type world struct {
 	bus     *sagatest.Bus
 	metrics *saga.Counters
 	batched bool // consumers take their messages in batches
+	// maxAttempts is the participants' ParticipantConfig.MaxAttempts (0: the default).
+	maxAttempts int
 
 	mu        sync.Mutex
 	fail      map[string]string // step -> business failure reason
 	failOrder map[string]string // order -> the step that fails for it ("declined")
+	broken    map[string]string // order -> the step whose handler returns a plain error for it
 	transient map[string]int    // step -> transient failures left
 	compFail  map[string]int    // step -> failing compensations left
 	calls     map[string]int    // "step/phase" -> handler calls
@@ -122,7 +125,7 @@ func newWorldMode(t *testing.T, batched bool, def *saga.Definition[Checkout], do
 		t.Fatal(err)
 	}
 	w := &world{t: t, db: db, def: def, metrics: &saga.Counters{}, fail: map[string]string{}, transient: map[string]int{},
-		compFail: map[string]int{}, calls: map[string]int{}, failOrder: map[string]string{}}
+		compFail: map[string]int{}, calls: map[string]int{}, failOrder: map[string]string{}, broken: map[string]string{}}
 	w.orch = w.newOrchestrator()
 	w.bus = sagatest.NewBus(db.Pool, db.Schema)
 	w.batched = batched
@@ -161,7 +164,8 @@ func (w *world) subscribeParticipant(name string, action bool) {
 }
 
 func (w *world) participant(name string) *saga.Participant {
-	p, err := saga.NewParticipant(saga.ParticipantConfig{Pool: w.db.Pool, Schema: w.db.Schema, Consumer: "svc-" + name, Metrics: w.metrics})
+	p, err := saga.NewParticipant(saga.ParticipantConfig{Pool: w.db.Pool, Schema: w.db.Schema, Consumer: "svc-" + name, Metrics: w.metrics,
+		MaxAttempts: w.maxAttempts})
 	if err != nil {
 		w.t.Fatal(err)
 	}
@@ -179,7 +183,8 @@ func (w *world) subscribeAction(name string, wrap func(message.NoPublishHandlerF
 
 func (w *world) newOrchestrator() *saga.Orchestrator {
 	w.t.Helper()
-	o, err := saga.NewOrchestrator(saga.OrchestratorConfig{Pool: w.db.Pool, Schema: w.db.Schema, Metrics: w.metrics, TimerInterval: 20 * time.Millisecond})
+	o, err := saga.NewOrchestrator(saga.OrchestratorConfig{Pool: w.db.Pool, Schema: w.db.Schema, Metrics: w.metrics, TimerInterval: 20 * time.Millisecond,
+		MaxAttempts: w.maxAttempts})
 	if err != nil {
 		w.t.Fatal(err)
 	}
@@ -201,7 +206,11 @@ func (w *world) action(name string) func(context.Context, pgx.Tx, stepCmd) (step
 		if transient {
 			w.transient[name]--
 		}
+		broken := w.broken[cmd.Order] == name
 		w.mu.Unlock()
+		if broken {
+			return stepResult{}, errors.New("relation \"ledger\" is locked: a bug, neither Fail nor Retry")
+		}
 		// The effect is written before the outcome is known: Fail and Retry must roll it back.
 		if _, err := tx.Exec(ctx, `INSERT INTO `+w.db.Schema+`.effect (saga, step, phase) VALUES ($1, $2, 'action')`, cmd.Order, name); err != nil {
 			return stepResult{}, err

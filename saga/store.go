@@ -102,6 +102,12 @@ func (st store) queueLock(b *pgx.Batch, id string, in **instance, now *time.Time
 }
 
 func (st store) scan(row pgx.Row, id string) (*instance, time.Time, error) {
+	return st.scanRow(row, &id)
+}
+
+// scanRow reads a saga row; *id is set as soon as the row's id is known, so a caller reading
+// many rows can tell which one failed.
+func (st store) scanRow(row pgx.Row, id *string) (*instance, time.Time, error) {
 	var in instance
 	var steps []byte
 	var now time.Time
@@ -111,10 +117,11 @@ func (st store) scan(row pgx.Row, id string) (*instance, time.Time, error) {
 		return nil, now, errNoSaga
 	}
 	if err != nil {
-		return nil, now, fmt.Errorf("saga: load saga %q: %w", id, st.explain(err))
+		return nil, now, fmt.Errorf("saga: load saga %q: %w", *id, st.explain(err))
 	}
+	*id = in.ID
 	if err := json.Unmarshal(steps, &in.Steps); err != nil {
-		return nil, now, fmt.Errorf("saga: saga %q has a corrupt step history: %w", id, err)
+		return nil, now, fmt.Errorf("saga: saga %q has a corrupt step history: %w", in.ID, err)
 	}
 	return &in, now, nil
 }
@@ -181,31 +188,36 @@ func (st store) queueTimers(b *pgx.Batch, id string, fx *effects, deadline *time
 }
 
 // lockManyTx locks the sagas with the given ids (sorted, distinct) in one statement and
-// returns them by id, with the database's clock; an id without a row is absent.
-func (st store) lockManyTx(ctx context.Context, tx pgx.Tx, ids []string) (map[string]*instance, time.Time, error) {
+// returns them by id, with the database's clock; an id without a row is absent, and a row
+// that cannot be read (a corrupt step history) is in broken, so that only its replies fail.
+func (st store) lockManyTx(ctx context.Context, tx pgx.Tx, ids []string) (sagas map[string]*instance, broken map[string]error, now time.Time, err error) {
 	rows, err := tx.Query(ctx, st.lockMany, ids)
 	if err != nil {
-		return nil, time.Time{}, fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
+		return nil, nil, now, fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
 	}
 	defer rows.Close()
-	out := make(map[string]*instance, len(ids))
-	var now time.Time
+	sagas, broken = make(map[string]*instance, len(ids)), map[string]error{}
 	for rows.Next() {
-		in, t, err := st.scan(rows, "")
+		var id string
+		in, t, err := st.scanRow(rows, &id)
 		if err != nil {
-			return nil, now, err
+			if id == "" {
+				return nil, nil, now, err
+			}
+			broken[id] = err
+			continue
 		}
-		out[in.ID], now = in, t
+		sagas[in.ID], now = in, t
 	}
 	if err := rows.Err(); err != nil {
-		return nil, now, fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
+		return nil, nil, now, fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
 	}
-	if len(out) == 0 { // no row, so no clock: read it
+	if len(sagas) == 0 { // no row read, so no clock: read it
 		if err := tx.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
-			return nil, now, err
+			return nil, nil, now, err
 		}
 	}
-	return out, now, nil
+	return sagas, broken, now, nil
 }
 
 // due is a claimed timer.

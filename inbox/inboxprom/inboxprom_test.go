@@ -23,7 +23,7 @@ func TestMetrics(t *testing.T) {
 	m.Failed("mailer")
 	m.NoKey("mailer")
 	want := `
-# HELP onceflow_inbox_messages_total Messages seen by the inbox middleware, by consumer and result (processed, duplicate, failed, no_key).
+# HELP onceflow_inbox_messages_total Messages seen by the inbox middleware, by consumer and result (processed, duplicate, failed, no_key, poisoned).
 # TYPE onceflow_inbox_messages_total counter
 onceflow_inbox_messages_total{consumer="billing",result="duplicate"} 2
 onceflow_inbox_messages_total{consumer="billing",result="processed"} 1
