@@ -42,12 +42,7 @@ func (ib *Inbox) ClaimTx(ctx context.Context, tx pgx.Tx, keys ...string) (claime
 		}
 		return []bool{tag.RowsAffected() == 1}, nil
 	}
-	// Distinct and sorted: two batches claiming overlapping keys lock them in the same order,
-	// so they wait for each other instead of deadlocking.
-	distinct := slices.Clone(keys)
-	slices.Sort(distinct)
-	distinct = slices.Compact(distinct)
-	rows, err := tx.Query(ctx, ib.claimManySQL, ib.cfg.Consumer, distinct)
+	rows, err := tx.Query(ctx, ib.claimManySQL, ib.cfg.Consumer, distinctSorted(keys))
 	if err != nil {
 		return nil, ib.dbError(fmt.Sprintf("record %d dedup keys", len(keys)), err)
 	}
@@ -55,16 +50,70 @@ func (ib *Inbox) ClaimTx(ctx context.Context, tx pgx.Tx, keys ...string) (claime
 	if err != nil {
 		return nil, ib.dbError(fmt.Sprintf("record %d dedup keys", len(keys)), err)
 	}
+	return claimedOf(keys, inserted), nil
+}
+
+// distinctSorted: two batches claiming overlapping keys lock them in the same order, so they
+// wait for each other instead of deadlocking.
+func distinctSorted(keys []string) []string {
+	distinct := slices.Clone(keys)
+	slices.Sort(distinct)
+	return slices.Compact(distinct)
+}
+
+// claimedOf says for each key whether it is among the inserted ones; a repeated key is new
+// only at its first position.
+func claimedOf(keys, inserted []string) []bool {
 	fresh := make(map[string]bool, len(inserted))
 	for _, k := range inserted {
 		fresh[k] = true
 	}
-	claimed = make([]bool, len(keys))
+	claimed := make([]bool, len(keys))
 	for i, k := range keys {
 		claimed[i] = fresh[k]
-		delete(fresh, k) // a repeated key is new only at its first position
+		delete(fresh, k)
 	}
-	return claimed, nil
+	return claimed
+}
+
+// QueueClaimMany is ClaimTx for a caller that pipelines the claim with its own statements in
+// one round trip (tx.SendBatch(ctx, b)): once the batch has run, (*claimed)[i] says whether
+// keys[i] was new. Statements queued after it run after it, so they see its rows (and have
+// waited for concurrent claims of the same keys). The keys are checked now: a malformed one
+// is refused with ErrNoKey and nothing is queued.
+func (ib *Inbox) QueueClaimMany(b *pgx.Batch, keys []string, claimed *[]bool) error {
+	for i, k := range keys {
+		if _, err := checkKey(k); err != nil {
+			return fmt.Errorf("inbox: consumer %q: key %d: %w", ib.cfg.Consumer, i, err)
+		}
+	}
+	b.Queue(ib.claimManySQL, ib.cfg.Consumer, distinctSorted(keys)).Query(func(rows pgx.Rows) error {
+		inserted, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return ib.dbError(fmt.Sprintf("record %d dedup keys", len(keys)), err)
+		}
+		*claimed = claimedOf(keys, inserted)
+		return nil
+	})
+	return nil
+}
+
+// QueueSeenMany is SeenManyTx queued into b; see QueueClaimMany.
+func (ib *Inbox) QueueSeenMany(b *pgx.Batch, keys []string, seen *[]bool) error {
+	for i, k := range keys {
+		if _, err := checkKey(k); err != nil {
+			return fmt.Errorf("inbox: consumer %q: key %d: %w", ib.cfg.Consumer, i, err)
+		}
+	}
+	b.Queue(ib.seenManySQL, ib.cfg.Consumer, keys).Query(func(rows pgx.Rows) error {
+		found, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return ib.dbError(fmt.Sprintf("look up %d dedup keys", len(keys)), err)
+		}
+		*seen = seenOf(keys, found)
+		return nil
+	})
+	return nil
 }
 
 // SeenTx reports whether key is recorded for this consumer: committed by an earlier
@@ -104,15 +153,20 @@ func (ib *Inbox) SeenManyTx(ctx context.Context, tx pgx.Tx, keys ...string) (see
 	if err != nil {
 		return nil, ib.dbError(fmt.Sprintf("look up %d dedup keys", len(keys)), err)
 	}
+	return seenOf(keys, found), nil
+}
+
+// seenOf says for each key whether it is among the found ones.
+func seenOf(keys, found []string) []bool {
 	set := make(map[string]bool, len(found))
 	for _, k := range found {
 		set[k] = true
 	}
-	seen = make([]bool, len(keys))
+	seen := make([]bool, len(keys))
 	for i, k := range keys {
 		seen[i] = set[k]
 	}
-	return seen, nil
+	return seen
 }
 
 // CheckSchema reports whether the inbox's schema is fully migrated (migrations.Validate): nil,

@@ -68,11 +68,25 @@ func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message
 		return fmt.Errorf("saga: begin transaction: %w", err)
 	}
 	defer rollback(tx)
-	claimed, err := o.ib.ClaimTx(ctx, tx, keys...)
-	if err != nil {
+	// One round trip: the replies' dedup claims, then the locks of their sagas, in one
+	// statement each. The sagas of duplicate replies are locked for nothing; the commit
+	// releases them.
+	var ids []string
+	for _, r := range replies {
+		ids = append(ids, r.ref.ID)
+	}
+	slices.Sort(ids)
+	ids = slices.Compact(ids)
+	var claimed []bool
+	var lk locked
+	b := &pgx.Batch{}
+	if err := o.ib.QueueClaimMany(b, keys, &claimed); err != nil {
 		return err
 	}
-	var ids []string
+	o.st.queueLockMany(b, ids, &lk)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("saga: claim %d replies and lock their sagas: %w", len(keys), o.st.explain(err))
+	}
 	fresh := replies[:0:0]
 	for j, r := range replies {
 		if !claimed[j] {
@@ -80,16 +94,13 @@ func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message
 			continue
 		}
 		fresh = append(fresh, r)
-		ids = append(ids, r.ref.ID)
 	}
 	if len(fresh) == 0 {
 		return nil // every reply was a duplicate: nothing to commit
 	}
-	slices.Sort(ids)
-	ids = slices.Compact(ids)
-	sagas, broken, now, err := o.st.lockManyTx(ctx, tx, ids)
-	if err != nil {
-		return err
+	sagas, broken, now := lk.sagas, lk.broken, lk.now
+	if len(sagas) == 0 { // no row read, so no clock: none is needed either
+		now = time.Now()
 	}
 	type done struct {
 		ctx  context.Context
@@ -103,7 +114,7 @@ func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message
 			endMessage(d.span, err)
 		}
 	}()
-	b := &pgx.Batch{}
+	b = &pgx.Batch{}
 	var commands []*message.Message
 	var changed []*instance // in the order first changed
 	for _, r := range fresh {
@@ -344,29 +355,32 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 	if len(fresh) == 0 {
 		return 0, nil // all duplicates: nothing to commit
 	}
-	free := map[string]bool{}
+	// One round trip: the barrier's claims, then (actions) which compensations committed.
+	var got, seen []bool
+	var comp []string
+	b := &pgx.Batch{}
 	if len(barrier) > 0 {
-		got, err := p.ib.ClaimTx(ctx, tx, barrier...)
-		if err != nil {
+		if err := p.ib.QueueClaimMany(b, barrier, &got); err != nil {
 			return 0, err
 		}
-		for i, k := range barrier {
-			free[k] = got[i]
+		if phase == outbox.SagaPhaseAction {
+			for _, c := range fresh {
+				comp = append(comp, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
+			}
+			if err := p.ib.QueueSeenMany(b, comp, &seen); err != nil {
+				return 0, err
+			}
+		}
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return 0, fmt.Errorf("saga participant %q: barrier of %d commands: %w", p.cfg.Consumer, len(fresh), err)
 		}
 	}
-	compensated := map[string]bool{}
-	if phase == outbox.SagaPhaseAction && len(barrier) > 0 {
-		comp := make([]string, len(fresh))
-		for i, c := range fresh {
-			comp[i] = barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)
-		}
-		seen, err := p.ib.SeenManyTx(ctx, tx, comp...)
-		if err != nil {
-			return 0, err
-		}
-		for i, k := range comp {
-			compensated[k] = seen[i]
-		}
+	free, compensated := map[string]bool{}, map[string]bool{}
+	for i, k := range barrier {
+		free[k] = got[i]
+	}
+	for i, k := range comp {
+		compensated[k] = seen[i]
 	}
 	var replies []*message.Message
 	for _, c := range fresh {

@@ -187,37 +187,36 @@ func (st store) queueTimers(b *pgx.Batch, id string, fx *effects, deadline *time
 	}
 }
 
-// lockManyTx locks the sagas with the given ids (sorted, distinct) in one statement and
-// returns them by id, with the database's clock; an id without a row is absent, and a row
-// that cannot be read (a corrupt step history) is in broken, so that only its replies fail.
-func (st store) lockManyTx(ctx context.Context, tx pgx.Tx, ids []string) (sagas map[string]*instance, broken map[string]error, now time.Time, err error) {
-	rows, err := tx.Query(ctx, st.lockMany, ids)
-	if err != nil {
-		return nil, nil, now, fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
-	}
-	defer rows.Close()
-	sagas, broken = make(map[string]*instance, len(ids)), map[string]error{}
-	for rows.Next() {
-		var id string
-		in, t, err := st.scanRow(rows, &id)
-		if err != nil {
-			if id == "" {
-				return nil, nil, now, err
+// locked is what queueLockMany read: the sagas by id, those whose row cannot be read (a
+// corrupt step history: only their replies fail), and the database's clock.
+type locked struct {
+	sagas  map[string]*instance
+	broken map[string]error
+	now    time.Time
+}
+
+// queueLockMany queues the locking read of the sagas with the given ids (sorted, distinct)
+// into b: one statement, rows locked in id order. An id without a row is absent.
+func (st store) queueLockMany(b *pgx.Batch, ids []string, out *locked) {
+	b.Queue(st.lockMany, ids).Query(func(rows pgx.Rows) error {
+		out.sagas, out.broken = make(map[string]*instance, len(ids)), map[string]error{}
+		for rows.Next() {
+			var id string
+			in, now, err := st.scanRow(rows, &id)
+			if err != nil {
+				if id == "" {
+					return err
+				}
+				out.broken[id] = err
+				continue
 			}
-			broken[id] = err
-			continue
+			out.sagas[in.ID], out.now = in, now
 		}
-		sagas[in.ID], now = in, t
-	}
-	if err := rows.Err(); err != nil {
-		return nil, nil, now, fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
-	}
-	if len(sagas) == 0 { // no row read, so no clock: read it
-		if err := tx.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
-			return nil, nil, now, err
+		if err := rows.Err(); err != nil {
+			return fmt.Errorf("saga: lock %d sagas: %w", len(ids), st.explain(err))
 		}
-	}
-	return sagas, broken, now, nil
+		return nil
+	})
 }
 
 // due is a claimed timer.
