@@ -137,7 +137,7 @@ func (a *Admin) Get(ctx context.Context, db DB, id string) (*Detail, error) {
 	d := &Detail{Summary: summaryOf(in), Data: in.Data, Steps: in.Steps}
 	rows, err := db.Query(ctx, `SELECT kind, action, step, due_at FROM `+pgsql.Table(a.st.schema, "saga_timer")+` WHERE saga_id = $1 ORDER BY due_at`, id)
 	if err != nil {
-		return nil, fmt.Errorf("saga: timers of %q: %w", id, err)
+		return nil, fmt.Errorf("saga: timers of %q: %w", id, a.st.explain(err))
 	}
 	d.Timers, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (Timer, error) {
 		var t Timer
@@ -149,7 +149,7 @@ func (a *Admin) Get(ctx context.Context, db DB, id string) (*Detail, error) {
 		return t, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("saga: timers of %q: %w", id, err)
+		return nil, fmt.Errorf("saga: timers of %q: %w", id, a.st.explain(err))
 	}
 	return d, nil
 }

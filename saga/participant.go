@@ -222,7 +222,7 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 		return err
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return fmt.Errorf("saga participant %q: claim %s: %w", p.cfg.Consumer, key, err)
+		return fmt.Errorf("saga participant %q: claim %s: %w", p.cfg.Consumer, key, schemaError(p.cfg.Schema, err))
 	}
 	if !fresh {
 		p.skip(ref, BarrierDuplicate, "the same command again")
@@ -266,7 +266,7 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run f
 		reply.Metadata.Set(outbox.MetadataSagaReason, reason)
 	}
 	if err := p.cfg.Writer.WriteTx(ctx, tx, replyTo, reply); err != nil {
-		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, err)
+		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, schemaError(p.cfg.Schema, err))
 	}
 	return commit(ctx, tx)
 }
