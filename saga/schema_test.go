@@ -91,6 +91,14 @@ func TestUnmigratedSchemaErrors(t *testing.T) {
 				"Participant.CheckSchema":  func() error { return p.CheckSchema(ctx) },
 				"Admin.Get":                func() error { _, err := admin.Get(ctx, db.Pool, "o-1"); return err },
 				"Admin.List":               func() error { _, err := admin.List(ctx, db.Pool, saga.ListFilter{}); return err },
+				"Cleaner.Clean": func() error {
+					c, err := saga.NewCleaner(saga.CleanerConfig{Pool: db.Pool, Schema: db.Schema})
+					if err != nil {
+						return err
+					}
+					_, err = c.Clean(ctx)
+					return err
+				},
 				"Admin.RetryTx": func() error {
 					return pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error { return admin.RetryTx(ctx, tx, "o-1") })
 				},
