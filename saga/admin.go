@@ -50,12 +50,17 @@ type Summary struct {
 	UpdatedAt time.Time
 }
 
-// Detail is one saga with its data, step history and pending timers.
+// Detail is one saga with its data, step history, pending timers and what it waits for.
 type Detail struct {
 	Summary
 	Data   json.RawMessage
 	Steps  []StepHistory
 	Timers []Timer
+	// Wait says what the saga waits for; nil when it has finished.
+	Wait *Wait
+	// CheckedAt is the database's clock when the saga was read: compare Wait.Since and the
+	// timers with it, not with the local clock.
+	CheckedAt time.Time
 }
 
 // Timer is a pending timer of a saga.
@@ -125,19 +130,22 @@ func stepName(stepsJSON []byte, i int) string {
 // retention cleanup after it finished).
 var ErrNotFound = errors.New("saga: no saga with this id")
 
-// Get returns one saga with its history and timers.
+// Get returns one saga with its history, its timers and what it waits for (Detail.Wait).
+// For a saga waiting for a reply it looks the current command up by event id in the outbox,
+// which has no index on it (a second b-tree would cost every business commit): at a large
+// backlog that is one scan of the outbox, as `onceflow outbox find` does.
 func (a *Admin) Get(ctx context.Context, db DB, id string) (*Detail, error) {
-	in, _, err := a.st.load(ctx, db, id, false)
+	in, now, err := a.st.load(ctx, db, id, false)
 	if errors.Is(err, errNoSaga) {
 		return nil, fmt.Errorf("%w: %q", ErrNotFound, id)
 	}
 	if err != nil {
 		return nil, err
 	}
-	d := &Detail{Summary: summaryOf(in), Data: in.Data, Steps: in.Steps}
+	d := &Detail{Summary: summaryOf(in), Data: in.Data, Steps: in.Steps, CheckedAt: now}
 	rows, err := db.Query(ctx, `SELECT kind, action, step, due_at FROM `+pgsql.Table(a.st.schema, "saga_timer")+` WHERE saga_id = $1 ORDER BY due_at`, id)
 	if err != nil {
-		return nil, fmt.Errorf("saga: timers of %q: %w", id, err)
+		return nil, fmt.Errorf("saga: timers of %q: %w", id, a.st.explain(err))
 	}
 	d.Timers, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (Timer, error) {
 		var t Timer
@@ -149,7 +157,10 @@ func (a *Admin) Get(ctx context.Context, db DB, id string) (*Detail, error) {
 		return t, err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("saga: timers of %q: %w", id, err)
+		return nil, fmt.Errorf("saga: timers of %q: %w", id, a.st.explain(err))
+	}
+	if d.Wait, err = a.wait(ctx, db, in, d.Timers); err != nil {
+		return nil, err
 	}
 	return d, nil
 }

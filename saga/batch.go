@@ -154,7 +154,7 @@ func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message
 	}
 	if len(commands) > 0 {
 		if err := o.cfg.Writer.QueueWriteTx(ctx, b, "", commands...); err != nil {
-			return fmt.Errorf("saga: write %d commands: %w", len(commands), err)
+			return fmt.Errorf("saga: write %d commands: %w", len(commands), o.st.explain(err))
 		}
 	}
 	if b.Len() > 0 {
@@ -372,7 +372,7 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 			}
 		}
 		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			return 0, fmt.Errorf("saga participant %q: barrier of %d commands: %w", p.cfg.Consumer, len(fresh), err)
+			return 0, fmt.Errorf("saga participant %q: barrier of %d commands: %w", p.cfg.Consumer, len(fresh), schemaError(p.cfg.Schema, err))
 		}
 	}
 	free, compensated := map[string]bool{}, map[string]bool{}
@@ -418,7 +418,7 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 	}
 	if len(replies) > 0 {
 		if err := p.cfg.Writer.WriteTx(ctx, tx, "", replies...); err != nil {
-			return 0, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), err)
+			return 0, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), schemaError(p.cfg.Schema, err))
 		}
 	}
 	return 0, commit(ctx, tx)
@@ -452,7 +452,7 @@ func (p *Participant) settle(ctx context.Context, msg *message.Message, phase ou
 		return p.cfg.Writer.WriteTx(ctx, tx, "", p.reply(msg, ref, replyTo, outbox.SagaOutcomeRetry, reason, []byte("{}")))
 	})
 	if err != nil {
-		return fmt.Errorf("saga participant %q: answer command %q as failed: %w", p.cfg.Consumer, msg.UUID, err)
+		return fmt.Errorf("saga participant %q: answer command %q as failed: %w", p.cfg.Consumer, msg.UUID, schemaError(p.cfg.Schema, err))
 	}
 	p.cfg.Metrics.StepError(p.cfg.Consumer)
 	p.cfg.Logger.Error("saga participant: a command's handler kept failing; answered as a failed attempt (the saga retries or compensates)",

@@ -100,7 +100,7 @@ func (c *Cleaner) Config() CleanerConfig { return c.cfg }
 func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
 	n, err := engine.DeleteInBatches(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize, c.cfg.Window.Seconds())
 	if err != nil {
-		return n, fmt.Errorf("saga: clean %s.saga (deleted %d rows before the error): %w", c.cfg.Schema, n, err)
+		return n, fmt.Errorf("saga: clean %s.saga (deleted %d rows before the error): %w", c.cfg.Schema, n, schemaError(c.cfg.Schema, err))
 	}
 	return n, nil
 }

@@ -262,7 +262,7 @@ func (o *Orchestrator) transition(ctx context.Context, id, key string, ev event)
 		return commit(ctx, tx)
 	}
 	if err != nil {
-		return fmt.Errorf("saga: claim the reply and lock saga %q: %w", id, err)
+		return fmt.Errorf("saga: claim the reply and lock saga %q: %w", id, o.st.explain(err))
 	}
 	def, err := o.lookup(in.Name, in.Version)
 	if err != nil {
@@ -311,23 +311,52 @@ func (o *Orchestrator) observe(in *instance, fx *effects, now time.Time) {
 	}
 }
 
+// runBackoffCap bounds Run's wait between rounds after failures: once the database is back
+// (or migrated), timers fire again within this long.
+const runBackoffCap = 10 * time.Second
+
 // Run fires due timers (step timeouts, re-sends, deadlines, operator requests) every
-// TimerInterval until ctx ends, and returns nil then. A failed round is logged and retried.
-// Run it in every orchestrator process: each timer fires once, in the transaction that applies
-// its transition.
+// TimerInterval until ctx ends, and returns nil then. Run it in every orchestrator process:
+// each timer fires once, in the transaction that applies its transition.
+//
+// A round that fails (the database unreachable, the schema not migrated: errors.Is(err,
+// migrations.ErrNotMigrated)) is logged, one line per failed round saying how long Run waits
+// before the next; the wait doubles from TimerInterval up to 10 s while the rounds keep
+// failing, so a broken database is not hammered (nor its log filled), and one line says
+// when rounds work again. Call CheckSchema at start-up to refuse an unmigrated schema at
+// once instead.
 func (o *Orchestrator) Run(ctx context.Context) error {
-	t := time.NewTicker(o.cfg.TimerInterval)
+	t := time.NewTimer(o.cfg.TimerInterval)
 	defer t.Stop()
+	var (
+		backoff  time.Duration // the wait after the last failed round; 0 while rounds work
+		failures int
+		since    time.Time
+	)
 	for {
-		for {
-			n, err := o.FireDue(ctx)
-			if err != nil && ctx.Err() == nil {
-				o.cfg.Logger.Error("saga: firing due timers failed; retrying", "err", err)
-			}
-			if err != nil || n < o.cfg.TimerBatch {
-				break
-			}
+		err := o.fireAll(ctx)
+		if ctx.Err() != nil {
+			return nil
 		}
+		wait := o.cfg.TimerInterval
+		switch {
+		case err != nil:
+			failures++
+			if failures == 1 {
+				since = time.Now()
+				backoff = o.cfg.TimerInterval
+			} else {
+				backoff = min(2*backoff, max(runBackoffCap, o.cfg.TimerInterval))
+			}
+			wait = backoff
+			o.cfg.Logger.Error("saga: firing due timers failed; backing off before the next round",
+				"err", err, "retry_in", backoff, "failures", failures)
+		case failures > 0:
+			o.cfg.Logger.Info("saga: firing due timers works again", "failures", failures,
+				"failing_for", time.Since(since).Round(time.Millisecond))
+			failures, backoff = 0, 0
+		}
+		t.Reset(wait)
 		select {
 		case <-ctx.Done():
 			return nil
@@ -336,16 +365,30 @@ func (o *Orchestrator) Run(ctx context.Context) error {
 	}
 }
 
+// fireAll fires batches of due timers until a batch is not full.
+func (o *Orchestrator) fireAll(ctx context.Context) error {
+	for {
+		n, err := o.FireDue(ctx)
+		if err != nil || n < o.cfg.TimerBatch {
+			return err
+		}
+	}
+}
+
 // FireDue fires the timers due now, up to TimerBatch of them, in one transaction, and returns
 // how many it fired. Run calls it; tests and single-process harnesses may call it directly.
-// When the batch fails, its timers are fired one per transaction, so one saga whose transition
-// keeps failing (it is postponed by a minute and logged) cannot hold up the others.
+// When a timer's transition fails, the batch's timers are fired one per transaction, so one
+// saga whose transition keeps failing (it is postponed by a minute and logged) cannot hold up
+// the others. Any other failure (claiming the timers, the database) is returned as it is:
+// firing one at a time would only fail the same way.
 func (o *Orchestrator) FireDue(ctx context.Context) (int, error) {
 	n, err := o.fireBatch(ctx, o.cfg.TimerBatch)
-	if err == nil || ctx.Err() != nil {
+	var failed *timerError
+	if err == nil || ctx.Err() != nil || !errors.As(err, &failed) {
 		return n, err
 	}
-	o.cfg.Logger.Warn("saga: a batch of timers failed; firing them one at a time", "err", err)
+	o.cfg.Logger.Warn("saga: a timer's transition failed, so its batch was rolled back; firing the batch's timers one at a time",
+		"saga_id", failed.sagaID, "kind", failed.kind, "err", failed.err)
 	fired := 0
 	for range o.cfg.TimerBatch {
 		n, err := o.fireBatch(ctx, 1)
@@ -380,7 +423,10 @@ func (e *timerError) Unwrap() error { return e.err }
 func (o *Orchestrator) postpone(ctx context.Context, sagaID, kind string) error {
 	_, err := o.cfg.Pool.Exec(ctx, `UPDATE `+pgsql.Table(o.cfg.Schema, "saga_timer")+
 		` SET due_at = now() + interval '1 minute' WHERE saga_id = $1 AND kind = $2`, sagaID, kind)
-	return err
+	if err != nil {
+		return fmt.Errorf("saga: postpone the %s timer of saga %q: %w", kind, sagaID, o.st.explain(err))
+	}
+	return nil
 }
 
 func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (_ int, err error) {
@@ -417,7 +463,7 @@ func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (_ int, err err
 		// The timer fires once: deleted in this transaction, before the transition may set the
 		// next one of its kind.
 		if _, err := tx.Exec(ctx, o.st.delTimer, d.sagaID, d.t.Kind); err != nil {
-			return 0, fmt.Errorf("saga: delete timer: %w", err)
+			return 0, fmt.Errorf("saga: delete timer: %w", o.st.explain(err))
 		}
 		t := d.t
 		tctx, span := startTimer(ctx, o.tr, in, t)

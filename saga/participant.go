@@ -257,7 +257,7 @@ func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, r
 		return err
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return fmt.Errorf("saga participant %q: claim %s: %w", p.cfg.Consumer, key, err)
+		return fmt.Errorf("saga participant %q: claim %s: %w", p.cfg.Consumer, key, schemaError(p.cfg.Schema, err))
 	}
 	if !fresh {
 		p.skip(ref, BarrierDuplicate, "the same command again")
@@ -294,7 +294,7 @@ func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, r
 		return &handlerError{runErr} // everything rolls back; handle tries again
 	}
 	if err := p.cfg.Writer.WriteTx(ctx, tx, "", p.reply(msg, ref, replyTo, outcome, reason, payload)); err != nil {
-		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, err)
+		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, schemaError(p.cfg.Schema, err))
 	}
 	return commit(ctx, tx)
 }

@@ -97,6 +97,19 @@ type SentCommand struct {
 	At      time.Time        `json:"at"`
 }
 
+// afterAttempts counts the attempts of the current phase the way the command metadata and
+// `onceflow saga show` do (every command sent), and the ones since an operator's retry.
+func (in *instance) afterAttempts() string {
+	n := fmt.Sprintf("after %d attempts", in.Attempt)
+	if in.Attempt == 1 {
+		n = "after 1 attempt"
+	}
+	if in.Budget > 0 {
+		return fmt.Sprintf("%s, %d of them since `onceflow saga retry`", n, in.Attempt-in.Budget)
+	}
+	return n
+}
+
 func (in *instance) phase() outbox.SagaPhase {
 	if in.State == StateRunning {
 		return outbox.SagaPhaseAction
@@ -404,12 +417,12 @@ func (m *machine) retryOrGiveUp(idx int, reason string) error {
 		if idx >= m.def.pivotIndex() || in.Attempt-in.Budget < m.def.step(idx).attempts {
 			return m.resendLater(idx, reason)
 		}
-		return m.actionFailed(idx, fmt.Sprintf("%s (after %d attempts)", reason, in.Attempt-in.Budget), rec.Uncertain)
+		return m.actionFailed(idx, fmt.Sprintf("%s (%s)", reason, in.afterAttempts()), rec.Uncertain)
 	}
 	if in.Attempt-in.Budget < m.def.compensationAttempts() {
 		return m.resendLater(idx, reason)
 	}
-	return m.stuck(fmt.Sprintf("step %q: compensation %s (after %d attempts)", rec.Name, reason, in.Attempt-in.Budget))
+	return m.stuck(fmt.Sprintf("step %q: compensation %s (%s)", rec.Name, reason, in.afterAttempts()))
 }
 
 func (m *machine) resendLater(idx int, reason string) error {

@@ -157,7 +157,7 @@ func (st store) send(ctx context.Context, tx pgx.Tx, b *pgx.Batch, w *outbox.Wri
 	st.queueTimers(b, in.ID, fx, deadline)
 	if len(fx.commands) > 0 {
 		if err := w.QueueWriteTx(ctx, b, "", fx.commands...); err != nil {
-			return fmt.Errorf("saga: write the commands of saga %q: %w", in.ID, err)
+			return fmt.Errorf("saga: write the commands of saga %q: %w", in.ID, st.explain(err))
 		}
 	}
 	if b.Len() == 0 {
@@ -244,12 +244,8 @@ func (st store) claimDueTx(ctx context.Context, tx pgx.Tx, limit int) ([]due, er
 	return out, nil
 }
 
-func (st store) explain(err error) error {
-	if pgsql.IsUndefinedTable(err) {
-		return fmt.Errorf("%w (schema %q has no saga tables: run `onceflow migrate up --schema %s`)", err, st.schema, st.schema)
-	}
-	return err
-}
+// explain wraps an error of a statement on the saga tables (schemaError).
+func (st store) explain(err error) error { return schemaError(st.schema, err) }
 
 // deadlineTimer is the saga-wide deadline's timer, or nil when the definition has none.
 func deadlineTimer(def definition, now time.Time) *timer {

@@ -93,10 +93,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 			case errors.Is(err, errUsage):
 				return 2
 			case errors.As(err, &ee):
-				fmt.Fprintf(c.stderr, "onceflow %s: %v\n", cmd.name, ee.err)
+				fmt.Fprintf(c.stderr, "onceflow %s: %s\n", cmd.name, withoutPrefix(cmd.name, ee.err))
 				return ee.code
 			default:
-				fmt.Fprintf(c.stderr, "onceflow %s: %v\n", cmd.name, err)
+				fmt.Fprintf(c.stderr, "onceflow %s: %s\n", cmd.name, withoutPrefix(cmd.name, err))
 				return 1
 			}
 		}
@@ -132,6 +132,13 @@ func version() string {
 		v += " " + rev + dirty
 	}
 	return v + " " + info.GoVersion
+}
+
+// withoutPrefix is err's message without a leading "name: ", which the library packages put
+// on their errors (saga: ..., relay: ...) and the command's own prefix already says:
+// "onceflow saga: no saga with this id", not "onceflow saga: saga: no saga with this id".
+func withoutPrefix(name string, err error) string {
+	return strings.TrimPrefix(err.Error(), name+": ")
 }
 
 // errUsage marks an error already explained to the user by a flag set's usage output.

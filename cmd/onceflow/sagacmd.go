@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -109,9 +110,12 @@ func (c *cli) sagaShow(ctx context.Context, args []string) error {
 	p := &printer{w: tw}
 	p.f("saga %s: %s v%d, %s", d.ID, d.Name, d.Version, d.State)
 	if !d.State.Finished() {
-		p.f(" at step %s (attempt %d)", d.Step, d.Attempt)
+		p.f(" at step %s", d.Step)
 	}
 	p.f("\nstarted %s, updated %s\n", fmtTime(d.CreatedAt), fmtTime(d.UpdatedAt))
+	if d.Wait != nil {
+		p.f("waiting for: %s\n", waitText(d))
+	}
 	if d.Error != "" {
 		p.f("error: %s\n", oneLine(d.Error))
 	}
@@ -125,11 +129,22 @@ func (c *cli) sagaShow(ctx context.Context, args []string) error {
 		}
 		p.f("%s\t%s\t%d\t%d\t%s\t%s\t%s\n", s.Name, status, s.Attempts, s.CompAttempts, fmtTimePtr(s.StartedAt), fmtTimePtr(s.FinishedAt), oneLine(s.LastError))
 	}
-	p.f("\nCOMMANDS SENT\nSTEP\tPHASE\tATTEMPT\tTOPIC\tEVENT ID\tAT\n")
+	// Every command in the order it was written, across steps: an action and, later, its
+	// compensation are far apart in time, so per-step lists hid the saga's history.
+	type sent struct {
+		step string
+		cmd  saga.SentCommand
+	}
+	var cmds []sent
 	for _, s := range d.Steps {
 		for _, cmd := range s.Sent {
-			p.f("%s\t%s\t%d\t%s\t%s\t%s\n", s.Name, cmd.Phase, cmd.Attempt, cmd.Topic, cmd.EventID, fmtTime(cmd.At))
+			cmds = append(cmds, sent{s.Name, cmd})
 		}
+	}
+	sort.SliceStable(cmds, func(i, j int) bool { return cmds[i].cmd.At.Before(cmds[j].cmd.At) })
+	p.f("\nCOMMANDS SENT (oldest first)\nAT\tSTEP\tPHASE\tATTEMPT\tTOPIC\tEVENT ID\n")
+	for _, c := range cmds {
+		p.f("%s\t%s\t%s\t%d\t%s\t%s\n", fmtTime(c.cmd.At), c.step, c.cmd.Phase, c.cmd.Attempt, c.cmd.Topic, c.cmd.EventID)
 	}
 	if len(d.Timers) > 0 {
 		p.f("\nTIMER\tACTION\tSTEP\tDUE\n")
@@ -142,6 +157,55 @@ func (c *cli) sagaShow(ctx context.Context, args []string) error {
 		}
 	}
 	return p.flush(tw)
+}
+
+// waitText says in one line what a saga waits for, with the command to look further.
+func waitText(d *saga.Detail) string {
+	w := d.Wait
+	cmd := fmt.Sprintf("its %s command of step %s (attempt %d", w.Phase, w.Step, w.Attempt)
+	if w.EventID != "" {
+		cmd += ", event " + w.EventID
+	}
+	cmd += ")"
+	ago := func(t time.Time) string { return d.CheckedAt.Sub(t).Round(time.Millisecond).String() }
+	until := func(t time.Time) string {
+		if in := t.Sub(d.CheckedAt).Round(time.Millisecond); in > 0 {
+			return "in " + in.String()
+		}
+		return "due now"
+	}
+	timeout := ""
+	if w.Due != nil {
+		timeout = fmt.Sprintf("; the attempt times out at %s (%s)", fmtTime(*w.Due), until(*w.Due))
+	}
+	switch w.For {
+	case saga.WaitRelay:
+		s := fmt.Sprintf("a relay: %s is still in the outbox, not yet published, written %s (%s ago)", cmd, fmtTime(w.Since), ago(w.Since))
+		if w.PublishAttempts > 0 {
+			s += fmt.Sprintf(", %d failed publish attempts, last: %s", w.PublishAttempts, oneLine(w.PublishError))
+		}
+		return s + fmt.Sprintf("%s; is a relay running? `onceflow status` shows the relays, `onceflow outbox find %s` the row", timeout, w.EventID)
+	case saga.WaitParked:
+		return fmt.Sprintf("an operator: %s was parked by the relay (%s); `onceflow outbox replay --event-id %s` sends it again",
+			cmd, oneLine(w.PublishError), w.EventID)
+	case saga.WaitReply:
+		return fmt.Sprintf("the reply to %s, published; written %s (%s ago)%s", cmd, fmtTime(w.Since), ago(w.Since), timeout)
+	case saga.WaitResend:
+		s := fmt.Sprintf("a re-send: attempt %d of step %s failed (%s); attempt %d", w.Attempt, w.Step, oneLine(w.LastError), w.Attempt+1)
+		if w.Due != nil {
+			return s + fmt.Sprintf(" goes out at %s (%s)", fmtTime(*w.Due), until(*w.Due))
+		}
+		return s + " goes out when an orchestrator runs"
+	case saga.WaitOperator:
+		s := fmt.Sprintf("an operator: the %s of step %s did not succeed in %s", w.Phase, w.Step, plural(w.Attempt, "attempt"))
+		for _, t := range d.Timers {
+			if t.Kind == "operator" {
+				return s + fmt.Sprintf("; a %s request is filed, due %s: a running orchestrator carries it out", t.Action, fmtTime(t.Due))
+			}
+		}
+		return s + fmt.Sprintf("; fix the cause, then `onceflow saga retry %s`", d.ID)
+	}
+	return w.For
 }
 
 func (c *cli) sagaRequest(ctx context.Context, action string, args []string) error {
@@ -207,6 +271,14 @@ func (c *cli) oneID(fs *flag.FlagSet, action string, args []string) (string, err
 		return "", errUsage
 	}
 	return pos[0], nil
+}
+
+// plural is "1 attempt", "2 attempts".
+func plural(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
 }
 
 func fmtTimePtr(t *time.Time) string {

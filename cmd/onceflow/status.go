@@ -29,6 +29,7 @@ type statusThresholds struct {
 	maxHeartbeat  time.Duration // a relay's last heartbeat older than this while its row is live
 	maxRetention  int64         // more rows past the retention window than this, in any table
 	maxStuckSagas int64         // more sagas in state stuck than this
+	maxSagaAge    time.Duration // a saga running or compensating for longer than this (0: off)
 	window        time.Duration // the retention window of processed_event and finished sagas
 }
 
@@ -53,7 +54,11 @@ type statusReport struct {
 	Retention      []statusTable `json:"retention"`
 	Sagas          []statusSagas `json:"sagas"`
 	SagaStatesNote string        `json:"sagas_note,omitempty"`
-	thresholds     statusThresholds
+	// SagasOverAge counts sagas running or compensating for longer than --max-saga-age
+	// (capped, like the retention counts); OldestSaga is the oldest of them.
+	SagasOverAge int64       `json:"sagas_over_age"`
+	OldestSaga   *statusSaga `json:"oldest_saga,omitempty"`
+	thresholds   statusThresholds
 }
 
 type statusRelay struct {
@@ -80,7 +85,21 @@ type statusSagas struct {
 	Name  string `json:"name"`
 	State string `json:"state"`
 	Count int64  `json:"count"`
+	// OldestAgeSeconds is the time since the oldest of them started.
+	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 }
+
+// statusSaga is one saga that has been running for too long.
+type statusSaga struct {
+	ID         string  `json:"id"`
+	Name       string  `json:"name"`
+	State      string  `json:"state"`
+	AgeSeconds float64 `json:"age_seconds"`
+}
+
+// maxSagasOverAge caps the count of sagas over --max-saga-age, so the check costs the same
+// with a million of them.
+const maxSagasOverAge = 1000
 
 const statusSynopsis = `status [flags]
 
@@ -102,6 +121,7 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	fs.DurationVar(&th.maxHeartbeat, "max-heartbeat-age", time.Minute, "stuck when a live relay's last heartbeat is older than this")
 	fs.Int64Var(&th.maxRetention, "max-retention-backlog", 100_000, "stuck when a table holds more rows past retention than this (cleanup not running)")
 	fs.Int64Var(&th.maxStuckSagas, "max-stuck-sagas", 0, "stuck when more sagas than this are in state stuck")
+	fs.DurationVar(&th.maxSagaAge, "max-saga-age", time.Hour, "stuck when a saga is running or compensating for longer than this since its start (0: no check)")
 	windowText := fs.String("window", c.envOr("ONCEFLOW_RETENTION_WINDOW", strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s")),
 		"retention window of processed_event and finished sagas, as given to cleanup [ONCEFLOW_RETENTION_WINDOW]")
 	if err := parse(fs, args); err != nil {
@@ -119,8 +139,8 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	if th.maxOldest <= 0 || th.maxHeartbeat <= 0 {
 		problems = append(problems, errors.New("--max-oldest-age and --max-heartbeat-age must be positive"))
 	}
-	if th.maxParked < 0 || th.maxRetention < 0 || th.maxStuckSagas < 0 {
-		problems = append(problems, errors.New("--max-parked, --max-retention-backlog and --max-stuck-sagas must be 0 or more"))
+	if th.maxParked < 0 || th.maxRetention < 0 || th.maxStuckSagas < 0 || th.maxSagaAge < 0 {
+		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas and --max-saga-age must be 0 or more"))
 	}
 	if fs.NArg() > 0 {
 		problems = append(problems, fmt.Errorf("unexpected arguments %q", fs.Args()))
@@ -221,7 +241,7 @@ func readStatus(ctx context.Context, pool *pgxpool.Pool, schema string, th statu
 		r.Retention = append(r.Retention, st)
 	}
 
-	rows, err = pool.Query(ctx, `SELECT name, state, count(*) FROM `+t("saga")+`
+	rows, err = pool.Query(ctx, `SELECT name, state, count(*), extract(epoch FROM now() - min(created_at))::float8 FROM `+t("saga")+`
 		WHERE state NOT IN ('completed', 'compensated') GROUP BY name, state ORDER BY name, state`)
 	if err != nil {
 		return nil, fmt.Errorf("count sagas of schema %q: %w", schema, err)
@@ -231,6 +251,25 @@ func readStatus(ctx context.Context, pool *pgxpool.Pool, schema string, th statu
 		return nil, fmt.Errorf("count sagas of schema %q: %w", schema, err)
 	}
 	r.SagaStatesNote = "finished sagas (completed, compensated) are not counted: `onceflow saga list` lists them"
+	if th.maxSagaAge > 0 {
+		// Stuck sagas are not counted here: --max-stuck-sagas reports them.
+		over := `FROM ` + t("saga") + ` WHERE state IN ('running', 'compensating') AND created_at < now() - make_interval(secs => $1)`
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 `+over+` LIMIT $2) s`, th.maxSagaAge.Seconds(), maxSagasOverAge).
+			Scan(&r.SagasOverAge); err != nil {
+			return nil, fmt.Errorf("count long-running sagas of schema %q: %w", schema, err)
+		}
+		if r.SagasOverAge > 0 {
+			var o statusSaga
+			err := pool.QueryRow(ctx, `SELECT id, name, state, extract(epoch FROM now() - created_at)::float8 `+over+
+				` ORDER BY created_at LIMIT 1`, th.maxSagaAge.Seconds()).Scan(&o.ID, &o.Name, &o.State, &o.AgeSeconds)
+			switch {
+			case err == nil:
+				r.OldestSaga = &o
+			case !errors.Is(err, pgx.ErrNoRows): // none when it finished in between
+				return nil, fmt.Errorf("find the oldest running saga of schema %q: %w", schema, err)
+			}
+		}
+	}
 	r.check()
 	return r, nil
 }
@@ -271,6 +310,15 @@ func (r *statusReport) check() {
 	}
 	if stuck > th.maxStuckSagas {
 		add("%d sagas stuck (over %d): `onceflow saga list --state stuck`, then `onceflow saga retry`", stuck, th.maxStuckSagas)
+	}
+	if r.SagasOverAge > 0 && r.OldestSaga != nil {
+		more := ""
+		if r.SagasOverAge >= maxSagasOverAge {
+			more = " or more"
+		}
+		o := r.OldestSaga
+		add("%d%s sagas running or compensating for longer than %s; the oldest, %s (%s), is %s for %s: `onceflow saga show %s` says what it waits for",
+			r.SagasOverAge, more, th.maxSagaAge, o.ID, o.Name, o.State, time.Duration(o.AgeSeconds*float64(time.Second)).Round(time.Second), o.ID)
 	}
 	r.OK = len(r.Problems) == 0
 }
@@ -313,9 +361,9 @@ func (r *statusReport) print(w io.Writer) error {
 		p.f("%s\t%d%s\t%s\n", t.Table, t.Expired-boolInt(!t.Exact), more, t.Rule)
 	}
 	if len(r.Sagas) > 0 {
-		p.f("\nSAGA\tSTATE\tCOUNT\n")
+		p.f("\nSAGA\tSTATE\tCOUNT\tOLDEST\n")
 		for _, s := range r.Sagas {
-			p.f("%s\t%s\t%d\n", s.Name, s.State, s.Count)
+			p.f("%s\t%s\t%d\t%s\n", s.Name, s.State, s.Count, time.Duration(s.OldestAgeSeconds*float64(time.Second)).Round(time.Second))
 		}
 	} else {
 		p.f("\nno running, compensating or stuck sagas\n")

@@ -149,3 +149,36 @@ func TestOutboxFindCommand(t *testing.T) {
 	runCmd(ctx, env, "outbox", "find", "not-a-uuid").expect(t, "find with a bad id", 1)
 	runCmd(ctx, env, "outbox", "find").expect(t, "find without an id", 2)
 }
+
+// A saga running (or compensating) for longer than --max-saga-age is flagged, not only a
+// stuck one: it waits for something (a relay, a participant) that the report should name.
+func TestStatusFlagsLongRunningSagas(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	env := map[string]string{"DATABASE_URL": db.URL, "ONCEFLOW_SCHEMA": db.Schema}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("saga")+` (id, name, version, state, data, steps, created_at)
+		VALUES ('s-old', 'checkout', 1, 'running', '{}', '[]', now() - interval '2 hours'),
+		       ('s-older', 'checkout', 1, 'compensating', '{}', '[]', now() - interval '3 hours'),
+		       ('s-new', 'checkout', 1, 'running', '{}', '[]', now())`); err != nil {
+		t.Fatal(err)
+	}
+	r := runCmd(ctx, env, "status").expect(t, "status with sagas older than the default 1h", exitStuck)
+	for _, want := range []string{": STUCK", "2 sagas running or compensating for longer than 1h0m0s", "the oldest, s-older (checkout), is compensating for 3h0m0s",
+		"`onceflow saga show s-older`", "checkout  running       2      2h0m0s"} {
+		if !strings.Contains(r.stdout, want) {
+			t.Errorf("status output lacks %q:\n%s", want, r.stdout)
+		}
+	}
+	r = runCmd(ctx, env, "status", "--json").expect(t, "status --json", exitStuck)
+	var rep statusReport
+	if err := json.Unmarshal([]byte(r.stdout), &rep); err != nil {
+		t.Fatalf("status --json: %v\n%s", err, r.stdout)
+	}
+	if rep.SagasOverAge != 2 || rep.OldestSaga == nil || rep.OldestSaga.ID != "s-older" || rep.OldestSaga.AgeSeconds < 3*3600-60 {
+		t.Errorf("status --json: sagas_over_age %d, oldest %+v", rep.SagasOverAge, rep.OldestSaga)
+	}
+	runCmd(ctx, env, "status", "--max-saga-age", "4h").expect(t, "status with --max-saga-age above every saga's age", 0)
+	runCmd(ctx, env, "status", "--max-saga-age", "0").expect(t, "status with the saga age check off", 0)
+	runCmd(ctx, env, "status", "--max-saga-age", "-1s").expect(t, "status with a negative --max-saga-age", 1)
+}

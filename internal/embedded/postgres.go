@@ -112,19 +112,28 @@ func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error)
 	if !opts.Durable {
 		conf = append(conf, "fsync = off", "synchronous_commit = off", "full_page_writes = off")
 	}
-	f, err := os.OpenFile(filepath.Join(data, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
-	if err == nil {
-		_, err = f.WriteString("\n" + strings.Join(conf, "\n") + "\n")
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-	}
-	if err != nil {
+	if err := appendConf(data, conf...); err != nil {
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("embedded postgres: write config: %w", err)
 	}
-	if out, err := p.run(ctx, pgctl, "-D", data, "-l", filepath.Join(dir, "server.log"), "-w", "-t", "60", "start"); err != nil {
+	// The port was free when chosen, seconds ago (initdb ran since): another process (a test
+	// binary's Kafka, another cluster) may have taken it. Then start again on a new port; the
+	// last "port" line of the config wins.
+	for try := 1; ; try++ {
+		out, err := p.run(ctx, pgctl, "-D", data, "-l", filepath.Join(dir, "server.log"), "-w", "-t", "60", "start")
+		if err == nil {
+			break
+		}
 		log, _ := os.ReadFile(filepath.Join(dir, "server.log"))
+		if try < 5 && strings.Contains(string(log), "Address already in use") {
+			if port, err = FreePort(); err == nil {
+				err = appendConf(data, "port = "+strconv.Itoa(port))
+			}
+			if err == nil {
+				p.port = port
+				continue
+			}
+		}
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("embedded postgres: pg_ctl start: %w\n%s\n%s", err, out, log)
 	}
@@ -225,6 +234,17 @@ func postgresCredential() (*syscall.Credential, error) {
 		return nil, fmt.Errorf("embedded postgres: parse postgres uid/gid: %w", err)
 	}
 	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
+}
+
+// appendConf appends lines to the cluster's postgresql.conf (a later setting overrides an
+// earlier one).
+func appendConf(data string, lines ...string) error {
+	f, err := os.OpenFile(filepath.Join(data, "postgresql.conf"), os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString("\n" + strings.Join(lines, "\n") + "\n")
+	return errors.Join(err, f.Close())
 }
 
 // FreePort returns a TCP port on 127.0.0.1 that was free a moment ago, for a server the

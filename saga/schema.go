@@ -1,0 +1,34 @@
+package saga
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/migrations"
+)
+
+// CheckSchema reports whether the orchestrator's schema is fully migrated (migrations.Validate):
+// nil, or an error wrapping migrations.ErrNotMigrated that lists the missing steps and names
+// the command to run. Call it at start-up, before the router and Run start, to fail fast
+// instead of on the first reply or timer.
+func (o *Orchestrator) CheckSchema(ctx context.Context) error { return o.ib.CheckSchema(ctx) }
+
+// CheckSchema reports whether the participant's schema is fully migrated, like
+// Orchestrator.CheckSchema. Call it at start-up, before the router runs.
+func (p *Participant) CheckSchema(ctx context.Context) error { return p.ib.CheckSchema(ctx) }
+
+// schemaError wraps an error of one of onceflow's own statements: a missing table
+// (SQLSTATE 42P01) means the schema was never migrated or lacks the saga steps, which the
+// error says how to fix and which errors.Is(err, migrations.ErrNotMigrated) matches. Only
+// for statements on onceflow's tables: a handler's missing business table is not ours to
+// explain.
+func schemaError(schema string, err error) error {
+	if err == nil || errors.Is(err, migrations.ErrNotMigrated) || !pgsql.IsUndefinedTable(err) {
+		return err
+	}
+	return fmt.Errorf("%w: schema %q lacks onceflow's saga tables (or the inbox's and the outbox's); "+
+		"run `onceflow migrate up --schema %s` (or migrations.Up) before starting: %w",
+		migrations.ErrNotMigrated, schema, schema, err)
+}

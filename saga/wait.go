@@ -1,0 +1,105 @@
+package saga
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// What an unfinished saga waits for (Wait.For).
+const (
+	// WaitRelay: the current command is still in the outbox; no relay has published it yet
+	// (none runs, or the row waits behind others of its shard or is being retried).
+	WaitRelay = "relay"
+	// WaitParked: the relay parked the current command (the broker refused it for good); it
+	// moves again after `onceflow outbox replay`.
+	WaitParked = "parked"
+	// WaitReply: the current command left the outbox (published); the participant's reply has
+	// not been applied yet.
+	WaitReply = "reply"
+	// WaitResend: the last attempt failed; the command is re-sent, as the next attempt, at Due.
+	WaitResend = "resend"
+	// WaitOperator: the saga is stuck; it waits for `onceflow saga retry` once the cause is fixed.
+	WaitOperator = "operator"
+)
+
+// Wait says what an unfinished saga waits for: its current command, where that command is,
+// and the timer that ends the wait.
+type Wait struct {
+	// For is WaitRelay, WaitParked, WaitReply, WaitResend or WaitOperator.
+	For string
+	// Step, Phase and Attempt name the command waited on: the one sent last (for WaitResend,
+	// the attempt that failed; the re-send will be Attempt+1). Attempt counts every command
+	// of the step's phase, as the command's metadata and the COMMANDS list do.
+	Step    string
+	Phase   outbox.SagaPhase
+	Attempt int
+	// Topic, EventID and Since: where the command went, with which event id, and when it was
+	// written to the outbox (zero when the saga has no record of it).
+	Topic   string
+	EventID string
+	Since   time.Time
+	// Due is when the step's timer ends the wait: the reply timeout (WaitRelay, WaitReply)
+	// or the re-send (WaitResend); nil when the step has no timeout.
+	Due *time.Time
+	// PublishAttempts and PublishError: the relay's failed attempts to publish the command
+	// and its last error (WaitRelay, WaitParked).
+	PublishAttempts int
+	PublishError    string
+	// LastError is the step's last failure (WaitResend, WaitOperator).
+	LastError string
+}
+
+// wait derives what in waits for from its row and timers, then looks the current command up
+// in the outbox and outbox_parked when the saga waits for its reply.
+func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer) (*Wait, error) {
+	if in.State.Finished() || in.Step < 0 || in.Step >= len(in.Steps) {
+		return nil, nil
+	}
+	rec := in.Steps[in.Step]
+	w := &Wait{Step: rec.Name, Phase: in.phase(), Attempt: in.Attempt, LastError: rec.LastError}
+	for i := len(rec.Sent) - 1; i >= 0; i-- {
+		if c := rec.Sent[i]; c.Phase == w.Phase && c.Attempt == in.Attempt {
+			w.Topic, w.EventID, w.Since = c.Topic, c.EventID, c.At
+			break
+		}
+	}
+	for _, t := range timers {
+		if t.Kind == timerStep {
+			due := t.Due
+			w.Due = &due
+		}
+	}
+	switch {
+	case in.State == StateStuck:
+		w.For, w.Due = WaitOperator, nil
+		return w, nil
+	case in.Waiting == waitResend:
+		w.For = WaitResend
+		return w, nil
+	}
+	w.For, w.LastError = WaitReply, ""
+	if w.EventID == "" {
+		return w, nil
+	}
+	var where string
+	err := db.QueryRow(ctx, `SELECT 'pending', attempts, coalesce(last_error, '') FROM `+pgsql.Table(a.st.schema, "outbox")+` WHERE event_id = $1::uuid
+		UNION ALL SELECT 'parked', attempts, last_error FROM `+pgsql.Table(a.st.schema, "outbox_parked")+` WHERE event_id = $1::uuid
+		LIMIT 1`, w.EventID).Scan(&where, &w.PublishAttempts, &w.PublishError)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows): // published
+	case err != nil:
+		return nil, fmt.Errorf("saga: look up the command %s of saga %q in the outbox: %w", w.EventID, in.ID, a.st.explain(err))
+	case where == "pending":
+		w.For = WaitRelay
+	default:
+		w.For = WaitParked
+	}
+	return w, nil
+}
