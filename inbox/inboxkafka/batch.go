@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -50,8 +51,9 @@ type BatchConfig struct {
 	// DefaultMaxBatch. There is no linger: a batch is what one poll returned (up to
 	// MaxBatch), so a lone message goes at once and batches grow only under load.
 	MaxBatch int
-	// Workers is how many partitions are processed at once, each in its own transaction (so
-	// each holds a connection of the processor's pool). Default DefaultWorkers.
+	// Workers is how many partitions apply a batch at once, each in its own transaction (so
+	// each holds a connection of the processor's pool: size the pool for Workers + 1).
+	// Default DefaultWorkers.
 	Workers int
 	// MaxAttempts is how often a message whose handler fails is tried before it is given up
 	// (Processor.SettlePoison). Default DefaultMaxAttempts; 1 gives up at the first failure.
@@ -60,8 +62,8 @@ type BatchConfig struct {
 	MaxAttempts int
 	// Backoff is the wait before a failing message's second attempt, doubled per attempt up
 	// to MaxBackoff. Defaults DefaultBackoff and DefaultMaxBackoff. While a message waits,
-	// later messages of its partition wait too (they never overtake it), and so does the
-	// next poll of the other partitions.
+	// later messages of its partition wait too (they never overtake it); other partitions
+	// go on.
 	Backoff, MaxBackoff time.Duration
 	// Logger receives given-up messages and batches the database refused. Default
 	// slog.Default().
@@ -82,9 +84,13 @@ type BatchConfig struct {
 //     (or it was given up); marked offsets are committed every second, when partitions are
 //     revoked and when Run returns. A crash redelivers what was applied since the last
 //     commit, and the inbox skips it as duplicates.
-//   - Rebalances wait for the batches in flight (franz-go's BlockRebalanceOnPoll): a revoked
-//     partition is given up only after its batch committed or rolled back, and its offsets
-//     were committed.
+//   - Each assigned partition has a goroutine of its own, fed by one poll loop: a partition
+//     whose message is retried or whose batch is slow holds up no other partition. A
+//     partition with more than 8 × MaxBatch records waiting is paused until its worker
+//     caught up, which bounds memory.
+//   - Rebalances wait for the batches in flight: a revoked partition's worker is stopped (a
+//     batch in flight commits or rolls back, a retry's wait ends), then its offsets are
+//     committed, and only then does franz-go hand the partition over.
 //   - Failure isolation: when a message's handler fails, the batch rolls back; the messages
 //     before it are applied again as a batch, and the failing one alone, with retries and
 //     backoff; after MaxAttempts it is given up as poison (recorded with its dedup row in one
@@ -94,11 +100,33 @@ type BatchConfig struct {
 //   - A batch the database refuses as a whole (connection lost, server restarting) is retried
 //     with backoff, without counting attempts, until it succeeds or Run's context ends.
 type BatchConsumer struct {
-	cfg BatchConfig
-	cl  *kgo.Client
-	log *slog.Logger
+	cfg   BatchConfig
+	cl    *kgo.Client
+	log   *slog.Logger
+	slots chan struct{} // Workers: batches applied at once
+
+	mu      sync.Mutex
+	runCtx  context.Context // Run's; workers started by assignments derive from it
+	workers map[partition]*worker
 
 	closeOnce sync.Once
+}
+
+type partition struct {
+	topic string
+	id    int32
+}
+
+// worker applies one partition's records in order. The poll loop appends to queue; the
+// worker takes up to MaxBatch at a time, so batches grow while a batch is in flight.
+type worker struct {
+	p      partition
+	mu     sync.Mutex
+	queue  []*kgo.Record
+	paused bool
+	wake   chan struct{} // 1-buffered: records were queued
+	cancel context.CancelFunc
+	done   chan struct{}
 }
 
 // NewBatchConsumer validates cfg, reporting every problem at once, and connects the client
@@ -158,19 +186,25 @@ func NewBatchConsumer(cfg BatchConfig) (*BatchConsumer, error) {
 		// before it joined (see the package documentation).
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
-		// Rebalances wait until the batches of the last poll are settled and marked, so a
-		// partition is never revoked with a batch in flight.
-		kgo.BlockRebalanceOnPoll(),
+		// A paused partition that is resumed joins the next fetch, after the one in flight:
+		// bound that wait (franz-go's default is 5 s; sarama's 500 ms).
+		kgo.FetchMaxWait(500*time.Millisecond),
 		// Only offsets marked after their transaction committed are committed.
 		kgo.AutoCommitMarks(),
 		kgo.AutoCommitInterval(AutoCommitInterval),
 		kgo.ClientID("onceflow-inbox-batch"),
 	}
-	c := &BatchConsumer{cfg: cfg, log: cfg.Logger.With("group", cfg.Group)}
+	c := &BatchConsumer{cfg: cfg, log: cfg.Logger.With("group", cfg.Group), slots: make(chan struct{}, cfg.Workers),
+		workers: map[partition]*worker{}}
 	opts = append(opts,
-		kgo.OnPartitionsRevoked(func(ctx context.Context, cl *kgo.Client, _ map[string][]int32) {
-			// Runs between polls (BlockRebalanceOnPoll): every batch is settled and marked.
+		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, assigned map[string][]int32) { c.assign(assigned) }),
+		// franz-go waits for these before it hands the partitions over (or rejoins).
+		kgo.OnPartitionsRevoked(func(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+			c.stop(revoked)
 			c.commitMarked(ctx, cl)
+		}),
+		kgo.OnPartitionsLost(func(_ context.Context, _ *kgo.Client, lost map[string][]int32) {
+			c.stop(lost) // no commit: the partitions belong to another member already
 		}))
 	opts = append(opts, cfg.ClientOpts...)
 	cl, err := kgo.NewClient(opts...)
@@ -190,61 +224,149 @@ func (c *BatchConsumer) commitMarked(ctx context.Context, cl *kgo.Client) {
 	}
 }
 
-// Run consumes until ctx ends, then commits the offsets of what was applied, leaves the group
-// and returns nil. It returns an error only if the client stopped for another reason.
+// Run consumes until ctx ends, then lets the batches in flight finish, commits the offsets of
+// what was applied, leaves the group and returns nil. It returns an error only if the client
+// stopped for another reason. Call it once.
 func (c *BatchConsumer) Run(ctx context.Context) error {
+	c.mu.Lock()
+	c.runCtx = ctx
+	c.mu.Unlock()
 	defer c.Close()
 	for {
-		fetches := c.cl.PollRecords(ctx, c.cfg.MaxBatch*c.cfg.Workers)
+		fetches := c.cl.PollFetches(ctx)
 		if fetches.IsClientClosed() {
-			c.cl.AllowRebalance()
 			if ctx.Err() != nil {
 				return nil
 			}
 			return errors.New("inboxkafka: batch consumer: the client was closed")
+		}
+		if ctx.Err() != nil {
+			return nil
 		}
 		fetches.EachError(func(topic string, p int32, err error) {
 			if !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
 				c.log.Warn("inboxkafka: fetch error", "topic", topic, "partition", p, "err", err)
 			}
 		})
-		var parts [][]*kgo.Record
 		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
 			if len(p.Records) > 0 {
-				parts = append(parts, p.Records)
+				c.dispatch(partition{p.Topic, p.Partition}, p.Records)
 			}
 		})
-		c.runParts(ctx, parts)
-		c.cl.AllowRebalance()
-		if ctx.Err() != nil {
-			return nil
+	}
+}
+
+// assign starts a worker for each newly assigned partition.
+func (c *BatchConsumer) assign(assigned map[string][]int32) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	parent := c.runCtx
+	if parent == nil {
+		parent = context.Background()
+	}
+	for topic, ps := range assigned {
+		for _, id := range ps {
+			p := partition{topic, id}
+			if c.workers[p] != nil {
+				continue
+			}
+			ctx, cancel := context.WithCancel(parent)
+			w := &worker{p: p, wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{})}
+			c.workers[p] = w
+			go c.work(ctx, w)
 		}
 	}
 }
 
-// runParts settles each partition's records, up to Workers partitions at once, marking each
-// settled record's offset.
-func (c *BatchConsumer) runParts(ctx context.Context, parts [][]*kgo.Record) {
-	if len(parts) == 1 { // the common case at low load: no goroutine
-		c.settle(ctx, parts[0])
-		return
+// stop stops the workers of the given partitions (all when nil) and waits for them: a batch
+// in flight commits or rolls back, a retry's wait ends. Records they had not taken are
+// dropped; the partition's next owner reads them again from the committed offset.
+func (c *BatchConsumer) stop(parts map[string][]int32) {
+	c.mu.Lock()
+	var stopped []*worker
+	for p, w := range c.workers {
+		if parts == nil || slices.Contains(parts[p.topic], p.id) {
+			w.cancel()
+			stopped = append(stopped, w)
+			delete(c.workers, p)
+		}
 	}
-	sem := make(chan struct{}, c.cfg.Workers)
-	var wg sync.WaitGroup
-	for _, recs := range parts {
-		sem <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			c.settle(ctx, recs)
-		})
+	c.mu.Unlock()
+	for _, w := range stopped {
+		<-w.done
+		w.mu.Lock()
+		paused := w.paused
+		w.mu.Unlock()
+		if paused { // a later assignment of the partition must fetch it
+			c.cl.ResumeFetchPartitions(map[string][]int32{w.p.topic: {w.p.id}})
+		}
 	}
-	wg.Wait()
+}
+
+// dispatch queues a partition's polled records for its worker, pausing the partition while
+// its worker is far behind.
+func (c *BatchConsumer) dispatch(p partition, recs []*kgo.Record) {
+	c.mu.Lock()
+	w := c.workers[p]
+	c.mu.Unlock()
+	if w == nil {
+		return // revoked meanwhile: the next owner reads them from the committed offset
+	}
+	w.mu.Lock()
+	w.queue = append(w.queue, recs...)
+	pause := !w.paused && len(w.queue) > c.pauseAbove()
+	w.paused = w.paused || pause
+	w.mu.Unlock()
+	if pause {
+		c.cl.PauseFetchPartitions(map[string][]int32{p.topic: {p.id}})
+	}
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// pauseAbove is how many records may wait for a worker before its partition is paused.
+func (c *BatchConsumer) pauseAbove() int { return max(8*c.cfg.MaxBatch, 4096) }
+
+// work applies a partition's queued records, up to MaxBatch at a time, until ctx ends.
+func (c *BatchConsumer) work(ctx context.Context, w *worker) {
+	defer close(w.done)
+	for {
+		w.mu.Lock()
+		n := min(len(w.queue), c.cfg.MaxBatch)
+		recs := w.queue[:n:n]
+		w.queue = w.queue[n:]
+		resume := w.paused && len(w.queue) <= c.pauseAbove()/4
+		w.paused = w.paused && !resume
+		w.mu.Unlock()
+		if resume {
+			c.cl.ResumeFetchPartitions(map[string][]int32{w.p.topic: {w.p.id}})
+		}
+		if n == 0 {
+			select {
+			case <-ctx.Done():
+				return
+			case <-w.wake:
+				continue
+			}
+		}
+		select {
+		case c.slots <- struct{}{}:
+		case <-ctx.Done():
+			return
+		}
+		done := c.settle(ctx, recs)
+		<-c.slots
+		if !done {
+			return // ctx ended: the rest is redelivered to the partition's next owner
+		}
+	}
 }
 
 // settle applies one partition's records in order, in batches of at most MaxBatch, and marks
-// each batch's offsets once it is settled. It stops early only when ctx ends; the records
-// not settled then are redelivered to whoever owns the partition next.
-func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) {
+// each batch's offsets once it is settled. It stops early only when ctx ends (false).
+func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) bool {
 	msgs := make([]*message.Message, len(recs))
 	for i, r := range recs {
 		msgs[i] = toMessage(ctx, r)
@@ -259,14 +381,15 @@ func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) {
 		if failed != nil {
 			// The next message failed in the batch already: that was its first attempt.
 			if c.settleOne(ctx, recs[done], msgs[done], failed) == 0 {
-				return
+				return false
 			}
 			c.cl.MarkCommitRecords(recs[done])
 			done++
 		} else if k == 0 {
-			return
+			return false
 		}
 	}
+	return true
 }
 
 // apply settles a prefix of msgs and returns its length: 0 only when ctx ended, or when the
@@ -373,10 +496,11 @@ func (c *BatchConsumer) backoff(n int) time.Duration {
 	return min(d, c.cfg.MaxBackoff)
 }
 
-// Close leaves the group after committing the marked offsets. Run calls it when it returns;
-// calling it again is a no-op.
+// Close stops the workers (batches in flight finish), commits the marked offsets and leaves
+// the group. Run calls it when it returns; calling it again is a no-op.
 func (c *BatchConsumer) Close() {
 	c.closeOnce.Do(func() {
+		c.stop(nil)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		c.commitMarked(ctx, c.cl)
