@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"log"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -15,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -64,6 +66,9 @@ func restartChild() int {
 	if id := os.Getenv("RESTART_INSTANCE"); id != "" {
 		sc.Consumer.Group.InstanceId = id
 	}
+	// sarama's own log (joins, rebalances, errors) goes to stderr, which the test prints when
+	// it fails.
+	sarama.Logger = log.New(os.Stderr, "sarama: ", log.Lmicroseconds)
 	wlog := watermill.NewSlogLogger(slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn})))
 	sub, err := kafka.NewSubscriber(cfg, wlog)
 	if err != nil {
@@ -194,14 +199,14 @@ func (c *restartChildProc) kill(t *testing.T) {
 }
 
 // wait waits until ch is closed (the child handled a message, or became RUNNING: what).
-func (c *restartChildProc) wait(t *testing.T, what string, ch <-chan struct{}, deadline time.Duration) {
+func (c *restartChildProc) wait(t *testing.T, what string, ch <-chan struct{}, deadline time.Duration, group func() string) {
 	t.Helper()
 	select {
 	case <-ch:
 	case <-c.exited:
-		t.Fatalf("child %s exited before %s; stderr:\n%s", c.client, what, c.stderr.String())
+		t.Fatalf("child %s exited before %s; group: %s; stderr:\n%s", c.client, what, group(), c.stderr.String())
 	case <-time.After(deadline):
-		t.Fatalf("child %s: no %s within %v; stderr:\n%s", c.client, what, deadline, c.stderr.String())
+		t.Fatalf("child %s: no %s within %v; group: %s; stderr:\n%s", c.client, what, deadline, group(), c.stderr.String())
 	}
 }
 
@@ -311,6 +316,29 @@ func TestConsumersKilledAndRestartedUnderNewMemberIDs(t *testing.T) {
 	go func() { defer rwg.Done(); r.run(rctx, t) }()
 	defer func() { stopReaper(); rwg.Wait() }()
 
+	describe := func() string {
+		dctx, dcancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer dcancel()
+		lags, err := adm.Lag(dctx, group)
+		if err != nil {
+			return err.Error()
+		}
+		l := lags[group]
+		var b strings.Builder
+		fmt.Fprintf(&b, "state %s", l.State)
+		for _, m := range l.Members {
+			fmt.Fprintf(&b, "; member %s (%s)", m.MemberID, m.ClientID)
+			if a, ok := m.Assigned.AsConsumer(); ok {
+				for _, tp := range a.Topics {
+					fmt.Fprintf(&b, " partitions %v", tp.Partitions)
+				}
+			}
+		}
+		for _, pl := range l.Lag.Sorted() {
+			fmt.Fprintf(&b, "; p%d lag %d", pl.Partition, pl.Lag)
+		}
+		return b.String()
+	}
 	n := 0
 	start := func() *restartChildProc {
 		n++
@@ -336,22 +364,38 @@ func TestConsumersKilledAndRestartedUnderNewMemberIDs(t *testing.T) {
 	for i := range children {
 		children[i] = start()
 	}
+	for _, c := range children {
+		c.wait(t, "RUNNING", c.running, time.Minute, describe)
+	}
 	publish()
 	for round := range 4 {
 		victim := children[round%live]
 		// Drain what the victim reported so far, then wait for one more handled message: it
 		// is killed mid-stream, with messages in flight and offsets not yet committed.
+		// The victim may own no partition yet (it is still joining) or have drained its own:
+		// publish batches until it handles one of them.
 		for len(victim.done) > 0 {
 			<-victim.done
 		}
-		publish()
-		victim.wait(t, "message", firstDone(victim), time.Minute)
+		handled := firstDone(victim)
+		for deadline := time.Now().Add(time.Minute); ; {
+			publish()
+			select {
+			case <-handled:
+			case <-time.After(time.Second): // then publish more: its partitions may have had none
+				if time.Now().Before(deadline) {
+					continue
+				}
+				victim.wait(t, "message", handled, 0, describe)
+			}
+			break
+		}
 		kill(victim)
 		if round%2 == 1 {
 			// Killed again right after it started, while it is joining the group: the case
 			// where kfake owes the dead member a JoinGroup or SyncGroup reply.
 			doomed := start()
-			doomed.wait(t, "RUNNING", doomed.running, time.Minute)
+			doomed.wait(t, "RUNNING", doomed.running, time.Minute, describe)
 			kill(doomed)
 		}
 		children[round%live] = start() // a new process, so a new member id
