@@ -267,8 +267,42 @@ func (r *reaper) run(ctx context.Context, t *testing.T) {
 	}
 }
 
-// Consumers SIGKILLed at any point — while consuming, or right after they started and are
-// joining the group — and restarted under new member ids (a rescheduled pod) must not leave
+// killWhileJoining waits until c is a member of group while the group is still
+// PreparingRebalance (c sent JoinGroup and waits for the other members to rejoin) and reports
+// whether it saw that state; the caller then SIGKILLs c. It gives up when c has been assigned
+// partitions (the rebalance completed first) or after 30 s.
+func killWhileJoining(ctx context.Context, t *testing.T, adm *kadm.Client, group string, c *restartChildProc) bool {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		groups, err := adm.DescribeGroups(ctx, group)
+		if err == nil {
+			g := groups[group]
+			for _, m := range g.Members {
+				if m.ClientID != c.client {
+					continue
+				}
+				if g.State == "PreparingRebalance" {
+					return true
+				}
+				if a, ok := m.Assigned.AsConsumer(); ok && len(a.Topics) > 0 {
+					return false
+				}
+			}
+		}
+		select {
+		case <-time.After(10 * time.Millisecond): // polling the coordinator: there is no signal to await
+		case <-c.exited:
+			return false
+		case <-ctx.Done():
+			return false
+		}
+	}
+	return false
+}
+
+// Consumers SIGKILLed at any point — while consuming, or while they wait in JoinGroup — and
+// restarted under new member ids (a rescheduled pod) must not leave
 // partitions unowned: every message is handled, and the group ends Stable with exactly the
 // live consumers, every partition assigned and no lag, within a bound. With sarama's default
 // timeouts (read 30 s below rebalance 60 s) live consumers waiting in JoinGroup time out and
@@ -392,11 +426,18 @@ func TestConsumersKilledAndRestartedUnderNewMemberIDs(t *testing.T) {
 		}
 		kill(victim)
 		if round%2 == 1 {
-			// Killed again right after it started, while it is joining the group: the case
-			// where kfake owes the dead member a JoinGroup or SyncGroup reply.
-			doomed := start()
-			doomed.wait(t, "RUNNING", doomed.running, time.Minute, describe)
-			kill(doomed)
+			// A consumer killed while it waits in JoinGroup for the others to rejoin: the
+			// coordinator's reply to it then fails, and the next rebalance (the replacement
+			// joining) waits for a member that will never come.
+			killedJoining := false
+			for attempt := 0; attempt < 5 && !killedJoining; attempt++ {
+				doomed := start()
+				killedJoining = killWhileJoining(ctx, t, adm, group, doomed)
+				kill(doomed)
+			}
+			if !killedJoining {
+				t.Log("no consumer could be killed while joining in 5 attempts; killed after it started")
+			}
 		}
 		children[round%live] = start() // a new process, so a new member id
 	}
@@ -408,7 +449,7 @@ func TestConsumersKilledAndRestartedUnderNewMemberIDs(t *testing.T) {
 		select {
 		case <-got.more:
 		case <-ctx.Done():
-			t.Fatalf("%d of %d messages never handled", got.missing(published), len(published))
+			t.Fatalf("%d of %d messages never handled; group: %s", got.missing(published), len(published), describe())
 		}
 	}
 	allHandled := time.Since(restarted)
@@ -445,7 +486,12 @@ func TestConsumersKilledAndRestartedUnderNewMemberIDs(t *testing.T) {
 			break
 		}
 		if time.Since(restarted) > bound {
-			t.Fatalf("group did not settle within %v of the last restart: %s", bound, last)
+			var logs strings.Builder
+			for _, c := range children {
+				lines := strings.Split(c.stderr.String(), "\n")
+				fmt.Fprintf(&logs, "\n--- %s (last lines of stderr):\n%s", c.client, strings.Join(lines[max(0, len(lines)-30):], "\n"))
+			}
+			t.Fatalf("group did not settle within %v of the last restart: %s; group: %s%s", bound, last, describe(), logs.String())
 		}
 		select {
 		case <-time.After(200 * time.Millisecond): // polling the coordinator: there is no signal to await
