@@ -9,8 +9,10 @@ BENCH_FLAGS ?=
 
 .PHONY: test lint bench demo demo-core build examples
 
-## test: go vet, then every test with the race detector (starts its own Postgres and kfake)
+## test: check the prerequisites README.md lists (fails in a second, one line per missing tool),
+## then go vet and every test with the race detector (starts its own Postgres, Redis and kfake)
 test:
+	GO=$(GO) .ci/check-prereqs
 	$(GO) vet ./...
 	$(GO) test -race -timeout 20m ./...
 
@@ -18,6 +20,7 @@ test:
 ## on the library and on the bench module; fails if golangci-lint finds something or cannot be installed
 lint:
 	.ci/check-files_test.sh
+	.ci/check-prereqs_test.sh
 	.ci/check-files
 	@out=$$(gofmt -l $$(git ls-files --cached --others --exclude-standard '*.go')); \
 	 if [ -n "$$out" ]; then echo "gofmt needed (run gofmt -w on these):"; echo "$$out"; exit 1; fi

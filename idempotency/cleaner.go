@@ -48,31 +48,12 @@ type Cleaner struct {
 
 // NewCleaner validates cfg, reporting every problem at once, and returns a Cleaner.
 func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
-	if cfg.Schema == "" {
-		cfg.Schema = pgsql.DefaultSchema
-	}
-	if cfg.BatchSize == 0 {
-		cfg.BatchSize = retention.DefaultBatchSize
-	}
-	if cfg.Schedule == nil {
-		cfg.Schedule = retention.DefaultSchedule
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
+	// The cleaner has no window: each record carries its expires_at.
 	var problems []error
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool that holds the idempotency_record table"))
 	}
-	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
-		problems = append(problems, fmt.Errorf("Schema: %w", err))
-	}
-	if cfg.BatchSize < 0 {
-		problems = append(problems, fmt.Errorf("BatchSize is %d; use 0 for the default (%d) or a positive size", cfg.BatchSize, retention.DefaultBatchSize))
-	}
-	if err := engine.CheckSchedule(cfg.Schedule); err != nil {
-		problems = append(problems, fmt.Errorf("Schedule: %w", err))
-	}
+	problems = append(problems, engine.CleanerFields{Schema: &cfg.Schema, BatchSize: &cfg.BatchSize, Schedule: &cfg.Schedule, Logger: &cfg.Logger}.Defaults()...)
 	if err := config.Check("idempotency cleaner", problems...); err != nil {
 		return nil, err
 	}

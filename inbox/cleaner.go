@@ -60,41 +60,16 @@ type Cleaner struct {
 
 // NewCleaner validates cfg, reporting every problem at once, and returns a Cleaner.
 func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
-	if cfg.Schema == "" {
-		cfg.Schema = pgsql.DefaultSchema
-	}
-	if cfg.Window == 0 {
-		cfg.Window = DefaultWindow
-	}
-	if cfg.BatchSize == 0 {
-		cfg.BatchSize = retention.DefaultBatchSize
-	}
-	if cfg.Schedule == nil {
-		cfg.Schedule = retention.DefaultSchedule
-	}
-	if cfg.Logger == nil {
-		cfg.Logger = slog.Default()
-	}
 	var problems []error
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool that holds the processed_event table"))
 	}
-	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
-		problems = append(problems, fmt.Errorf("Schema: %w", err))
-	}
-	if err := engine.CheckWindow("Window", cfg.Window, cfg.AllowShortWindow, "AllowShortWindow"); err != nil {
-		problems = append(problems, err)
-	}
-	if cfg.BatchSize < 0 {
-		problems = append(problems, fmt.Errorf("BatchSize is %d; use 0 for the default (%d) or a positive size", cfg.BatchSize, retention.DefaultBatchSize))
-	}
+	problems = append(problems, engine.CleanerFields{Schema: &cfg.Schema, BatchSize: &cfg.BatchSize, Schedule: &cfg.Schedule, Logger: &cfg.Logger,
+		Window: &cfg.Window, DefaultWindow: DefaultWindow, AllowShortWindow: cfg.AllowShortWindow}.Defaults()...)
 	if cfg.Consumer != "" {
 		if err := validateConsumer(cfg.Consumer); err != nil {
 			problems = append(problems, err)
 		}
-	}
-	if err := engine.CheckSchedule(cfg.Schedule); err != nil {
-		problems = append(problems, fmt.Errorf("Schedule: %w", err))
 	}
 	if err := config.Check("inbox cleaner", problems...); err != nil {
 		return nil, err

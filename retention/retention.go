@@ -2,9 +2,13 @@
 // cleaner runs (Schedule, Every, DailyAt, DefaultSchedule) and the limits every window obeys
 // (MinWindow, DefaultBatchSize).
 //
-// The cleaners are inbox.Cleaner (processed_event) and idempotency.Cleaner
-// (idempotency_record); both take a CleanerConfig of the same shape, Clean(ctx) for one pass
-// and Run(ctx) to keep cleaning on CleanerConfig.Schedule. The windows are
+// The cleaners are inbox.Cleaner (processed_event), idempotency.Cleaner
+// (idempotency_record) and saga.Cleaner (finished sagas); each takes a CleanerConfig of the
+// same shape, Clean(ctx) for one pass and Run(ctx) to keep cleaning on
+// CleanerConfig.Schedule.
+//
+// This package is a leaf: it imports nothing of onceflow's, so onceflow's internal engine
+// imports it and every value here is written once. The windows are
 // inbox.CleanerConfig.Window, idempotency.Config.Window and redisdedup.Config.Window, each
 // with an AllowShortWindow override for values under MinWindow and a package DefaultWindow.
 package retention

@@ -90,14 +90,6 @@ func TestParseDailyAt(t *testing.T) {
 	}
 }
 
-// The public constants and the engine's are one value.
-func TestConstantsMatchTheEngine(t *testing.T) {
-	if retention.MinWindow != engine.MinWindow || retention.DefaultBatchSize != engine.DefaultBatchSize {
-		t.Fatalf("retention.MinWindow %s / DefaultBatchSize %d differ from the engine's %s / %d",
-			retention.MinWindow, retention.DefaultBatchSize, engine.MinWindow, engine.DefaultBatchSize)
-	}
-}
-
 func ExampleDailyAt() {
 	now := time.Date(2026, 11, 30, 22, 15, 0, 0, time.UTC)
 	fmt.Println(retention.DailyAt(0, 0).Next(now))   // midnight

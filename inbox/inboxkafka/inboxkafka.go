@@ -20,6 +20,34 @@
 //   - Consumer.Return.Errors = true, so sarama's errors reach watermill's logger.
 //   - ConsumerGroup must be set (NewSubscriber refuses an empty one): without a group
 //     watermill-kafka commits no offsets at all, and every restart starts over from Initial.
+//
+// Group membership timeouts, chosen to agree with each other so that a consumer that crashed
+// and was restarted under a new member id gets its partitions back within seconds:
+//
+//   - Consumer.Group.Session.Timeout = SessionTimeout (10 s), heartbeats every
+//     HeartbeatInterval (3 s): how long the coordinator waits before it removes a member that
+//     stopped heartbeating (a SIGKILLed process) and hands its partitions to the others.
+//   - Consumer.Group.Rebalance.Timeout = RebalanceTimeout (20 s, sarama's default is 60 s):
+//     how long the coordinator waits for every member to rejoin once a rebalance started, and
+//     so how long a member that died during a rebalance can hold the group up. A member needs
+//     only to finish its in-flight message (one transaction) before it rejoins.
+//   - Net.ReadTimeout = ReadTimeout (25 s = RebalanceTimeout + 5 s, sarama's default is 30 s):
+//     the coordinator holds a JoinGroup (and SyncGroup) reply until the rebalance completes,
+//     up to the rebalance timeout. sarama applies one read timeout to every request, so a
+//     read timeout below the rebalance timeout makes a member waiting in JoinGroup give up,
+//     reconnect and join again, which restarts the rebalance it was waiting for: with sarama's
+//     defaults (30 s below 60 s) a group with one dead member could stay in
+//     PreparingRebalance for minutes. The Java client does the same (JoinGroup waits for the
+//     rebalance timeout plus 5 s).
+//   - Version = sarama.V2_8_0_0 (watermill-kafka's default is 1.0): JoinGroup v4 and newer,
+//     where a member's id is assigned before it joins, so a process that dies half-way
+//     through joining expires after its session timeout; and static membership: set
+//     Consumer.Group.InstanceId to a name that survives restarts (a StatefulSet pod name) and
+//     a restarted process takes its predecessor's place and partitions at once, without a
+//     rebalance and without waiting for the session timeout.
+//
+// Every member of a group should use the same timeouts: the coordinator waits for the
+// largest rebalance timeout among the members.
 package inboxkafka
 
 import (
@@ -41,11 +69,34 @@ import (
 // the broker re-deliver (the inbox then skips those messages as duplicates).
 const AutoCommitInterval = time.Second
 
+// Consumer group timeouts set by SaramaConfig (see the package documentation for why they
+// are chosen together). If you raise RebalanceTimeout, raise Net.ReadTimeout with it: it
+// must stay above the rebalance timeout.
+const (
+	// SessionTimeout is Consumer.Group.Session.Timeout: a member that sent no heartbeat for
+	// this long is removed from the group.
+	SessionTimeout = 10 * time.Second
+	// HeartbeatInterval is Consumer.Group.Heartbeat.Interval, a third of SessionTimeout.
+	HeartbeatInterval = 3 * time.Second
+	// RebalanceTimeout is Consumer.Group.Rebalance.Timeout: how long a rebalance waits for
+	// the members to rejoin.
+	RebalanceTimeout = 20 * time.Second
+	// ReadTimeout is Net.ReadTimeout: above RebalanceTimeout, because a JoinGroup reply may
+	// take the whole rebalance timeout to come.
+	ReadTimeout = RebalanceTimeout + 5*time.Second
+)
+
 // SaramaConfig returns watermill-kafka's default subscriber settings with the ones
-// process-then-commit needs (see the package documentation). Adjust the rest (client id,
-// TLS, SASL, session timeouts) on the returned value.
+// process-then-commit and quick recovery after a crash need (see the package
+// documentation). Adjust the rest (client id, TLS, SASL, Consumer.Group.InstanceId for
+// static membership) on the returned value.
 func SaramaConfig() *sarama.Config {
 	c := kafka.DefaultSaramaSubscriberConfig()
+	c.Version = sarama.V2_8_0_0
+	c.Consumer.Group.Session.Timeout = SessionTimeout
+	c.Consumer.Group.Heartbeat.Interval = HeartbeatInterval
+	c.Consumer.Group.Rebalance.Timeout = RebalanceTimeout
+	c.Net.ReadTimeout = ReadTimeout
 	c.Consumer.Offsets.Initial = sarama.OffsetOldest
 	c.Consumer.Offsets.AutoCommit.Enable = true
 	c.Consumer.Offsets.AutoCommit.Interval = AutoCommitInterval

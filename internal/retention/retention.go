@@ -1,10 +1,11 @@
-// Package retention is the engine behind onceflow's cleaners: window validation, deletion in
-// bounded batches, and the loop that runs a cleaner on a schedule inside a long-running
-// process.
+// Package retention is the engine behind onceflow's cleaners: window validation, the
+// defaults and checks of the fields every cleaner's config shares, deletion in bounded
+// batches, and the loop that runs a cleaner on a schedule inside a long-running process.
 //
-// The user-facing vocabulary (Schedule, Every, DailyAt, DefaultSchedule, MinWindow) is the
-// public package github.com/onceflow/onceflow/retention. internal/ imports no public package,
-// so this one takes any value with a Next method, which every public Schedule has.
+// The user-facing vocabulary (Schedule, Every, DailyAt, DefaultSchedule, MinWindow,
+// DefaultBatchSize) is the public package github.com/onceflow/onceflow/retention, a leaf
+// that imports nothing of onceflow's: internal/ may import it (as River's internals import
+// rivertype), so each of those values is written once, there.
 package retention
 
 import (
@@ -15,25 +16,73 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/retention"
 )
 
-// MinWindow is the shortest retention accepted without an explicit override. The public
-// retention.MinWindow has the same value (a test pins it).
-const MinWindow = 24 * time.Hour
+// CleanerFields points at the fields every cleaner's config has (inbox.CleanerConfig,
+// saga.CleanerConfig, idempotency.CleanerConfig), so that their defaults and checks are
+// written once. A nil Window means the cleaner has no window of its own (the idempotency
+// cleaner deletes by each record's expires_at).
+type CleanerFields struct {
+	Schema    *string
+	BatchSize *int
+	Schedule  *retention.Schedule
+	Logger    **slog.Logger
 
-// DefaultBatchSize bounds the rows one delete statement removes (and locks). The public
-// retention.DefaultBatchSize has the same value (a test pins it).
-const DefaultBatchSize = 1000
+	Window           *time.Duration
+	DefaultWindow    time.Duration // replaces a zero *Window
+	AllowShortWindow bool
+}
 
-// CheckWindow refuses a window <= 0, and one under MinWindow unless allowShort is set. name
+// Defaults fills the zero fields with their defaults (pgsql.DefaultSchema,
+// retention.DefaultBatchSize, retention.DefaultSchedule, slog.Default(), DefaultWindow) and
+// returns one problem per field that is still invalid, named as the config's field is, for
+// the cleaner's constructor to report with the rest of its config.
+func (f CleanerFields) Defaults() []error {
+	if *f.Schema == "" {
+		*f.Schema = pgsql.DefaultSchema
+	}
+	if *f.BatchSize == 0 {
+		*f.BatchSize = retention.DefaultBatchSize
+	}
+	if *f.Schedule == nil {
+		*f.Schedule = retention.DefaultSchedule
+	}
+	if *f.Logger == nil {
+		*f.Logger = slog.Default()
+	}
+	if f.Window != nil && *f.Window == 0 {
+		*f.Window = f.DefaultWindow
+	}
+	var problems []error
+	if err := pgsql.ValidateSchema(*f.Schema); err != nil {
+		problems = append(problems, fmt.Errorf("Schema: %w", err))
+	}
+	if f.Window != nil {
+		if err := CheckWindow("Window", *f.Window, f.AllowShortWindow, "AllowShortWindow"); err != nil {
+			problems = append(problems, err)
+		}
+	}
+	if *f.BatchSize < 0 {
+		problems = append(problems, fmt.Errorf("BatchSize is %d; use 0 for the default (%d) or a positive size", *f.BatchSize, retention.DefaultBatchSize))
+	}
+	if err := CheckSchedule(*f.Schedule); err != nil {
+		problems = append(problems, fmt.Errorf("Schedule: %w", err))
+	}
+	return problems
+}
+
+// CheckWindow refuses a window <= 0, and one under retention.MinWindow unless allowShort is set. name
 // and override are the field (or flag) names the error quotes, e.g. "Window" and
 // "AllowShortWindow".
 func CheckWindow(name string, window time.Duration, allowShort bool, override string) error {
 	if window <= 0 {
 		return fmt.Errorf("%s is %s; it must be positive (leave it 0 in a config for the default)", name, window)
 	}
-	if window < MinWindow && !allowShort {
-		return fmt.Errorf("%s is %s, under the %s minimum: records deleted too early let late redeliveries or retries run again; raise it, or set %s if the redelivery horizon is provably shorter", name, window, MinWindow, override)
+	if window < retention.MinWindow && !allowShort {
+		return fmt.Errorf("%s is %s, under the %s minimum: records deleted too early let late redeliveries or retries run again; raise it, or set %s if the redelivery horizon is provably shorter", name, window, retention.MinWindow, override)
 	}
 	return nil
 }
@@ -50,7 +99,7 @@ type Execer interface {
 // SKIP LOCKED)) — SKIP LOCKED so the cleaner never waits on (or blocks) a writer's row.
 func DeleteInBatches(ctx context.Context, db Execer, query string, batchSize int, args ...any) (int64, error) {
 	if batchSize <= 0 {
-		batchSize = DefaultBatchSize
+		batchSize = retention.DefaultBatchSize
 	}
 	args = append(args, batchSize)
 	var total int64
@@ -93,7 +142,7 @@ type Querier interface {
 // the same key as the position are read again (>=), so none is skipped.
 func DeleteInOrder(ctx context.Context, db Querier, query string, batchSize int, args ...any) (int64, error) {
 	if batchSize <= 0 {
-		batchSize = DefaultBatchSize
+		batchSize = retention.DefaultBatchSize
 	}
 	var pos any // NULL: from the start
 	var total int64
@@ -129,14 +178,9 @@ func DeleteInOrder(ctx context.Context, db Querier, query string, batchSize int,
 	}
 }
 
-// Schedule says when a cleaner runs next: the method set of the public retention.Schedule.
-type Schedule interface {
-	Next(now time.Time) time.Time
-}
-
 // CheckSchedule reports a schedule that cannot run: nil, or one whose Validate method (the
 // public Every and DailyAt have one; users' own schedules may) returns an error.
-func CheckSchedule(s Schedule) error {
+func CheckSchedule(s retention.Schedule) error {
 	if s == nil {
 		return fmt.Errorf("the schedule is nil")
 	}
@@ -149,7 +193,7 @@ func CheckSchedule(s Schedule) error {
 // Run calls clean at every time the schedule gives until ctx ends. A failed run is logged and
 // retried at the next scheduled time; Run returns ctx's error, or at once the error of a
 // schedule that cannot run (CheckSchedule).
-func Run(ctx context.Context, s Schedule, logger *slog.Logger, clean func(context.Context) (int64, error)) error {
+func Run(ctx context.Context, s retention.Schedule, logger *slog.Logger, clean func(context.Context) (int64, error)) error {
 	if err := CheckSchedule(s); err != nil {
 		return fmt.Errorf("retention: %w", err)
 	}

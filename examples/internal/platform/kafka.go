@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/IBM/sarama"
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -54,14 +53,16 @@ func CreateTopics(ctx context.Context, brokers []string, topics ...string) error
 }
 
 // NewSubscriber returns a watermill-kafka subscriber for one consumer group, with inboxkafka's
-// process-then-commit settings and static membership under instance: after a crash, the
-// restarted process rejoins as the same member and gets its partitions back at once, instead
-// of waiting out the dead member's session (10 s by default). Use one subscriber, and so one
+// process-then-commit settings and group timeouts, and static membership under instance:
+// after a crash, the restarted process rejoins as the same member and gets its partitions back
+// at once, instead of waiting out the dead member's session (inboxkafka.SessionTimeout). A
+// process restarted under a new instance (a rescheduled pod) is a new member: the dead one is
+// removed after its session timeout, and inboxkafka's read timeout above its rebalance timeout
+// keeps the rebalance that follows from restarting itself. Use one subscriber, and so one
 // consumer group, per handler, as Watermill's CQRS component does.
 func NewSubscriber(brokers []string, group, instance string, log *slog.Logger) (message.Subscriber, error) {
 	cfg := inboxkafka.SubscriberConfig(brokers, group)
-	sc := cfg.OverwriteSaramaConfig
-	sc.Version = sarama.V2_8_0_0 // static membership needs protocol 2.3 or newer
+	sc := cfg.OverwriteSaramaConfig // Version 2.8 already: static membership needs 2.3 or newer
 	sc.Consumer.Group.InstanceId = instance
 	return kafka.NewSubscriber(cfg, watermillLogger(log))
 }
