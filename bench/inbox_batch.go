@@ -1,0 +1,401 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ThreeDotsLabs/watermill"
+	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
+	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/inbox/inboxkafka"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+// batchBenchConfig is the batched consumer's configuration in both batch rows: the defaults,
+// unless BENCH_BATCH_WORKERS or BENCH_BATCH_MAX set Workers or MaxBatch (for investigating a
+// figure without editing the program).
+func batchBenchConfig(e *env, topic string, p inbox.BatchProcessor) inboxkafka.BatchConfig {
+	cfg := inboxkafka.BatchConfig{
+		Brokers:   e.brokers,
+		Group:     fmt.Sprintf("bench-batch-%d", time.Now().UnixNano()),
+		Topics:    []string{topic},
+		Processor: p,
+		Logger:    e.log,
+	}
+	if n, err := strconv.Atoi(os.Getenv("BENCH_BATCH_WORKERS")); err == nil {
+		cfg.Workers = n
+	}
+	if n, err := strconv.Atoi(os.Getenv("BENCH_BATCH_MAX")); err == nil {
+		cfg.MaxBatch = n
+	}
+	return cfg
+}
+
+// effectNoPublish is the handler a router user has for the effect: one INSERT on the inbox's
+// transaction. Both inbox rows and both batch rows run it.
+func effectNoPublish(msg *message.Message) error {
+	_, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), effectHandlerSQL, msg.UUID, msg.Payload)
+	return err
+}
+
+// observedProcessor wraps a BatchProcessor and calls committed with the batch's messages
+// after each successful ProcessBatch, i.e. once their effects and dedup rows committed.
+type observedProcessor struct {
+	inbox.BatchProcessor
+	started   func()
+	committed func(msgs []*message.Message)
+}
+
+func (p *observedProcessor) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
+	if p.started != nil {
+		p.started()
+	}
+	err := p.BatchProcessor.ProcessBatch(ctx, msgs)
+	if err == nil {
+		p.committed(msgs)
+	}
+	return err
+}
+
+// runBatchConsumer starts a BatchConsumer on cfg and returns a function that stops it.
+func runBatchConsumer(ctx context.Context, e *env, cfg inboxkafka.BatchConfig) (stop func(), err error) {
+	c, err := inboxkafka.NewBatchConsumer(cfg)
+	if err != nil {
+		return nil, err
+	}
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(rctx) }()
+	return func() {
+		cancel()
+		if err := <-done; err != nil {
+			e.log.Warn("batch bench consumer", "err", err)
+		}
+	}, nil
+}
+
+// benchInboxBatch: the inbox scenario's 20,000 pre-produced messages (8 partitions, handler
+// one INSERT) consumed by inboxkafka.BatchConsumer through ib.BatchNoPublish — the router
+// user's handler unchanged — beside the per-message inbox through the Watermill router and
+// the bare per-message handler, measured in the same run on the same topic.
+func benchInboxBatch(ctx context.Context, e *env) ([]result, error) {
+	pool, schema, err := e.freshSchema(ctx, "inbox_batch")
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	topic, err := prepareInboxBench(ctx, e, pool, "inbox-batch")
+	if err != nil {
+		return nil, err
+	}
+	bareRate, inboxRate, err := measureInboxRouter(ctx, e, pool, schema, topic)
+	if err != nil {
+		return nil, err
+	}
+	ib, err := inbox.New(inbox.Config{Pool: pool, Schema: schema, Consumer: "bench-batch", Logger: e.log})
+	if err != nil {
+		return nil, err
+	}
+	batchRate, err := consumeBatchBench(ctx, e, topic, ib.BatchNoPublish(effectNoPublish))
+	if err != nil {
+		return nil, fmt.Errorf("batched: %w", err)
+	}
+	if err := checkEffects(ctx, pool, inboxBenchMessages); err != nil {
+		return nil, fmt.Errorf("batched: %w", err)
+	}
+	if err := checkDedup(ctx, pool, "bench-batch", inboxBenchMessages); err != nil {
+		return nil, fmt.Errorf("batched: %w", err)
+	}
+	vsInbox, vsBare := batchRate/inboxRate, batchRate/bareRate
+	return []result{
+		{Scenario: "inbox_batch", System: "bare-handler", Value: bareRate, Unit: "msg/s", HigherIsBetter: true, Versus: "baseline (per message, own tx)"},
+		{Scenario: "inbox_batch", System: "inbox-router", Value: inboxRate, Unit: "msg/s", HigherIsBetter: true,
+			Versus: fmt.Sprintf("%.2f× bare-handler", inboxRate/bareRate)},
+		{Scenario: "inbox_batch", System: "onceflow", Value: batchRate, Unit: "msg/s", HigherIsBetter: true,
+			Versus: fmt.Sprintf("%.2f× inbox-router, %.2f× bare-handler", vsInbox, vsBare),
+			Target: fmt.Sprintf("≥ 5× inbox-router %s, ≥ 2× bare-handler %s", mark(vsInbox >= 5), mark(vsBare >= 2))},
+		{Scenario: "inbox_batch_ratio", System: "vs-inbox-router", Value: vsInbox, Unit: "×", Versus: "-"},
+		{Scenario: "inbox_batch_ratio", System: "vs-bare-handler", Value: vsBare, Unit: "×", Versus: "-"},
+	}, nil
+}
+
+func mark(ok bool) string {
+	if ok {
+		return "✓"
+	}
+	return "✗"
+}
+
+// consumeBatchBench runs a BatchConsumer with a fresh group until every message of topic was
+// applied, and returns messages/s from the start of the first batch to the commit of the last
+// (group join time left out, as consumeInboxBench does).
+func consumeBatchBench(ctx context.Context, e *env, topic string, p inbox.BatchProcessor) (float64, error) {
+	var done, batches atomic.Int64
+	var first, last atomic.Int64 // unix nanos
+	finished := make(chan struct{})
+	var once sync.Once
+	op := &observedProcessor{
+		BatchProcessor: p,
+		started:        func() { first.CompareAndSwap(0, time.Now().UnixNano()) },
+		committed: func(msgs []*message.Message) {
+			last.Store(time.Now().UnixNano())
+			batches.Add(1)
+			if done.Add(int64(len(msgs))) >= inboxBenchMessages {
+				once.Do(func() { close(finished) })
+			}
+		},
+	}
+	cfg := batchBenchConfig(e, topic, op)
+	stop, err := runBatchConsumer(ctx, e, cfg)
+	if err != nil {
+		return 0, err
+	}
+	defer stop()
+	select {
+	case <-finished:
+	case <-time.After(15 * time.Minute):
+		return 0, fmt.Errorf("timed out after %d of %d messages", done.Load(), inboxBenchMessages)
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+	took := time.Duration(last.Load() - first.Load())
+	if took <= 0 {
+		return 0, errors.New("no measurable duration")
+	}
+	fmt.Fprintf(os.Stderr, "  batched: %d messages in %d batches (mean %.1f), %s\n",
+		done.Load(), batches.Load(), float64(done.Load())/float64(batches.Load()), took.Round(time.Millisecond))
+	return float64(inboxBenchMessages-1) / took.Seconds(), nil
+}
+
+// inboxBatchLatency* shape the latency row: one producer, one message every 5 ms (200/s),
+// 2,000 messages (10 s) per consumer, over the inbox scenario's 8 partitions.
+const (
+	inboxBatchLatencyMessages = 2000
+	inboxBatchLatencyInterval = 5 * time.Millisecond
+	benchSentHeader           = "bench_sent_unix_nano"
+	benchWarmHeader           = "bench_warm_up"
+)
+
+// latencyConsumer starts a consumer of topic whose handler is effectNoPublish behind the
+// inbox, calling committed for each message once its effect has committed; it returns a
+// function that stops the consumer.
+type latencyConsumer func(ctx context.Context, topic string, committed func(*message.Message)) (stop func(), err error)
+
+// benchInboxBatchLatency: publish → effect committed at 200 msg/s from one producer, for the
+// batched consumer and the per-message inbox through the Watermill router, in the same run.
+//
+// "Effect committed" is taken on the consumer's side, in the same process as the producer
+// (one clock): the time at which the call that committed the message's transaction returned
+// — the inbox middleware (it returns after COMMIT) for the router, ProcessBatch for the
+// batched consumer. A clock_timestamp() written by the handler's INSERT would be earlier than
+// the commit, and for a batch earlier by the rest of the batch: that would flatter the
+// batched consumer. The send time is stamped into a header just before the record is
+// produced (franz-go, no linger), so the figure includes Kafka's produce and fetch.
+func benchInboxBatchLatency(ctx context.Context, e *env) ([]result, error) {
+	pool, schema, err := e.freshSchema(ctx, "inbox_batch_latency")
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	if _, err := pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, msg_uuid text NOT NULL, payload bytea NOT NULL)`); err != nil {
+		return nil, err
+	}
+	router := func(ctx context.Context, topic string, committed func(*message.Message)) (func(), error) {
+		ib, err := inbox.New(inbox.Config{Pool: pool, Schema: schema, Consumer: "lat-router", Logger: e.log})
+		if err != nil {
+			return nil, err
+		}
+		logger := watermill.NopLogger{}
+		sub, err := kafka.NewSubscriber(inboxkafka.SubscriberConfig(e.brokers, fmt.Sprintf("bench-lat-router-%d", time.Now().UnixNano())), logger)
+		if err != nil {
+			return nil, err
+		}
+		r, err := message.NewRouter(message.RouterConfig{CloseTimeout: time.Minute}, logger)
+		if err != nil {
+			return nil, err
+		}
+		observe := func(next message.HandlerFunc) message.HandlerFunc {
+			return func(msg *message.Message) ([]*message.Message, error) {
+				out, err := next(msg) // the inbox middleware returns after COMMIT
+				if err == nil {
+					committed(msg)
+				}
+				return out, err
+			}
+		}
+		r.AddConsumerHandler("bench", topic, sub, effectNoPublish).AddMiddleware(observe, ib.Middleware)
+		rctx, cancel := context.WithCancel(ctx)
+		runErr := make(chan error, 1)
+		go func() { runErr <- r.Run(rctx) }()
+		return func() {
+			cancel()
+			if err := <-runErr; err != nil {
+				e.log.Warn("latency bench router", "err", err)
+			}
+		}, nil
+	}
+	batched := func(ctx context.Context, topic string, committed func(*message.Message)) (func(), error) {
+		ib, err := inbox.New(inbox.Config{Pool: pool, Schema: schema, Consumer: "lat-batch", Logger: e.log})
+		if err != nil {
+			return nil, err
+		}
+		op := &observedProcessor{BatchProcessor: ib.BatchNoPublish(effectNoPublish), committed: func(msgs []*message.Message) {
+			for _, m := range msgs {
+				committed(m)
+			}
+		}}
+		return runBatchConsumer(ctx, e, batchBenchConfig(e, topic, op))
+	}
+	var out []result
+	p50s := map[string]time.Duration{}
+	for _, s := range []struct {
+		name, consumer string
+		start          latencyConsumer
+	}{{"inbox-router", "lat-router", router}, {"onceflow", "lat-batch", batched}} {
+		lat, err := measureConsumerLatency(ctx, e, s.name, s.start)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", s.name, err)
+		}
+		// Exactly once: the warm-up messages and the timed ones, each applied once.
+		want := inboxBatchLatencyMessages + inboxBenchPartitions
+		if err := checkEffects(ctx, pool, want); err != nil {
+			return nil, fmt.Errorf("%s: %w", s.name, err)
+		}
+		if err := checkDedup(ctx, pool, s.consumer, want); err != nil {
+			return nil, fmt.Errorf("%s: %w", s.name, err)
+		}
+		if _, err := pool.Exec(ctx, `TRUNCATE effect`); err != nil {
+			return nil, err
+		}
+		p50, p99 := percentile(lat, 50), percentile(lat, 99)
+		p50s[s.name] = p50
+		fmt.Fprintf(os.Stderr, "  inbox_batch_latency %-12s n=%d p50=%s p99=%s max=%s\n", s.name, len(lat), p50, p99, slices.Max(lat))
+		out = append(out,
+			result{Scenario: "inbox_batch_latency_p50", System: s.name, Value: ms(p50), Unit: "ms"},
+			result{Scenario: "inbox_batch_latency_p99", System: s.name, Value: ms(p99), Unit: "ms"})
+	}
+	ratio := float64(p50s["onceflow"]) / float64(p50s["inbox-router"])
+	for i := range out {
+		switch {
+		case out[i].System == "inbox-router":
+			out[i].Versus = "baseline"
+		case out[i].Scenario == "inbox_batch_latency_p50":
+			out[i].Versus = fmt.Sprintf("%.2f× inbox-router's", ratio)
+			out[i].Target = "≤ 1.10× inbox-router " + mark(ratio <= 1.10)
+		default:
+			r := out[i].Value / out[i-2].Value // the router's p99 is two rows up
+			out[i].Versus = fmt.Sprintf("%.2f× inbox-router's", r)
+		}
+	}
+	return out, nil
+}
+
+// measureConsumerLatency creates a topic of inboxBenchPartitions partitions, starts the
+// consumer, warms it up with one message per partition (group joined, every partition
+// fetched, connections open), then produces inboxBatchLatencyMessages messages, one every
+// inboxBatchLatencyInterval, round-robin over the partitions, and returns each one's time
+// from send to effect committed.
+func measureConsumerLatency(ctx context.Context, e *env, name string, start latencyConsumer) ([]time.Duration, error) {
+	topic := benchTopic("inbox-batch-latency-" + name)
+	cl, err := kgo.NewClient(kgo.SeedBrokers(e.brokers...), kgo.DefaultProduceTopic(topic),
+		kgo.RecordPartitioner(kgo.ManualPartitioner()),
+		kgo.ProducerLinger(0)) // franz-go lingers 10 ms by default: send each record at once
+	if err != nil {
+		return nil, err
+	}
+	defer cl.Close()
+	if err := createInboxBenchTopic(e.brokers, topic); err != nil {
+		return nil, err
+	}
+	var mu sync.Mutex
+	var lat []time.Duration
+	var warm, timed atomic.Int64
+	committed := func(msg *message.Message) {
+		at := time.Now()
+		if msg.Metadata.Get(benchWarmHeader) != "" {
+			warm.Add(1)
+			return
+		}
+		sent, err := strconv.ParseInt(msg.Metadata.Get(benchSentHeader), 10, 64)
+		if err != nil {
+			e.log.Warn("latency bench: message without a send time", "uuid", msg.UUID)
+			return
+		}
+		mu.Lock()
+		lat = append(lat, at.Sub(time.Unix(0, sent)))
+		mu.Unlock()
+		timed.Add(1)
+	}
+	stop, err := start(ctx, topic, committed)
+	if err != nil {
+		return nil, err
+	}
+	defer stop()
+	record := func(i int32, warmUp bool) *kgo.Record {
+		msg := outbox.NewMessage(benchPayload)
+		h := []kgo.RecordHeader{{Key: kafka.UUIDHeaderKey, Value: []byte(msg.UUID)}}
+		if warmUp {
+			h = append(h, kgo.RecordHeader{Key: benchWarmHeader, Value: []byte("1")})
+		}
+		return &kgo.Record{Partition: i % inboxBenchPartitions, Key: []byte(keyName(int(i))), Value: msg.Payload, Headers: h}
+	}
+	for p := range int32(inboxBenchPartitions) {
+		if err := cl.ProduceSync(ctx, record(p, true)).FirstErr(); err != nil {
+			return nil, fmt.Errorf("warm-up: %w", err)
+		}
+	}
+	if err := waitCount(ctx, &warm, inboxBenchPartitions, time.Minute); err != nil {
+		return nil, fmt.Errorf("warm-up: %w", err)
+	}
+	var produceErr atomic.Value
+	begin := time.Now().Add(20 * time.Millisecond)
+	for i := range inboxBatchLatencyMessages {
+		// Paced on a schedule, not a sleep after each send, so a slow send does not push back
+		// the ones after it.
+		time.Sleep(time.Until(begin.Add(time.Duration(i) * inboxBatchLatencyInterval)))
+		r := record(int32(i), false)
+		r.Headers = append(r.Headers, kgo.RecordHeader{Key: benchSentHeader, Value: []byte(strconv.FormatInt(time.Now().UnixNano(), 10))})
+		cl.Produce(ctx, r, func(_ *kgo.Record, err error) {
+			if err != nil {
+				produceErr.CompareAndSwap(nil, err)
+			}
+		})
+	}
+	if err := cl.Flush(ctx); err != nil {
+		return nil, err
+	}
+	if err, _ := produceErr.Load().(error); err != nil {
+		return nil, fmt.Errorf("produce: %w", err)
+	}
+	if err := waitCount(ctx, &timed, inboxBatchLatencyMessages, time.Minute); err != nil {
+		return nil, err
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	return slices.Clone(lat), nil
+}
+
+// waitCount waits until n reaches want, polling every millisecond.
+func waitCount(ctx context.Context, n *atomic.Int64, want int, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for n.Load() < int64(want) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d of %d messages after %s", n.Load(), want, timeout)
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return nil
+}
