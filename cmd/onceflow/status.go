@@ -29,6 +29,7 @@ type statusThresholds struct {
 	maxHeartbeat  time.Duration // a relay's last heartbeat older than this while its row is live
 	maxRetention  int64         // more rows past the retention window than this, in any table
 	maxStuckSagas int64         // more sagas in state stuck than this
+	maxPoison     int64         // more rows in inbox_poison than this
 	window        time.Duration // the retention window of processed_event and finished sagas
 }
 
@@ -47,12 +48,15 @@ type statusReport struct {
 		OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 		Parked           int64   `json:"parked"`
 	} `json:"outbox"`
-	Shards         int           `json:"shards"`
-	ShardsUnowned  int           `json:"shards_without_live_owner"`
-	Relays         []statusRelay `json:"relays"`
-	Retention      []statusTable `json:"retention"`
-	Sagas          []statusSagas `json:"sagas"`
-	SagaStatesNote string        `json:"sagas_note,omitempty"`
+	Shards        int           `json:"shards"`
+	ShardsUnowned int           `json:"shards_without_live_owner"`
+	Relays        []statusRelay `json:"relays"`
+	Retention     []statusTable `json:"retention"`
+	Sagas         []statusSagas `json:"sagas"`
+	// InboxPoison counts the messages batched consumers gave up on (inbox_poison), per
+	// consumer; `onceflow inbox poison` lists them.
+	InboxPoison    []statusPoison `json:"inbox_poison"`
+	SagaStatesNote string         `json:"sagas_note,omitempty"`
 	thresholds     statusThresholds
 }
 
@@ -76,6 +80,11 @@ type statusTable struct {
 	Exact   bool  `json:"exact"`
 }
 
+type statusPoison struct {
+	Consumer string `json:"consumer"`
+	Count    int64  `json:"count"`
+}
+
 type statusSagas struct {
 	Name  string `json:"name"`
 	State string `json:"state"`
@@ -86,7 +95,7 @@ const statusSynopsis = `status [flags]
 
 One screen for an operator: the relays (id, host, shards held, last heartbeat), the outbox
 backlog and the age of its oldest row, parked rows, rows past retention in each dedup table,
-and sagas by state. Exits 4 when something is stuck (see the --max-* thresholds), 0 when
+sagas by state, and inbox messages given up as poison. Exits 4 when something is stuck (see the --max-* thresholds), 0 when
 all is well, 1 when it could not look. --watch refreshes it; --json prints it for scripts
 (one object per refresh).`
 
@@ -102,6 +111,7 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	fs.DurationVar(&th.maxHeartbeat, "max-heartbeat-age", time.Minute, "stuck when a live relay's last heartbeat is older than this")
 	fs.Int64Var(&th.maxRetention, "max-retention-backlog", 100_000, "stuck when a table holds more rows past retention than this (cleanup not running)")
 	fs.Int64Var(&th.maxStuckSagas, "max-stuck-sagas", 0, "stuck when more sagas than this are in state stuck")
+	fs.Int64Var(&th.maxPoison, "max-inbox-poison", 0, "stuck when more inbox messages than this were given up as poison (onceflow inbox poison)")
 	windowText := fs.String("window", c.envOr("ONCEFLOW_RETENTION_WINDOW", strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s")),
 		"retention window of processed_event and finished sagas, as given to cleanup [ONCEFLOW_RETENTION_WINDOW]")
 	if err := parse(fs, args); err != nil {
@@ -119,8 +129,8 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	if th.maxOldest <= 0 || th.maxHeartbeat <= 0 {
 		problems = append(problems, errors.New("--max-oldest-age and --max-heartbeat-age must be positive"))
 	}
-	if th.maxParked < 0 || th.maxRetention < 0 || th.maxStuckSagas < 0 {
-		problems = append(problems, errors.New("--max-parked, --max-retention-backlog and --max-stuck-sagas must be 0 or more"))
+	if th.maxParked < 0 || th.maxRetention < 0 || th.maxStuckSagas < 0 || th.maxPoison < 0 {
+		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas and --max-inbox-poison must be 0 or more"))
 	}
 	if fs.NArg() > 0 {
 		problems = append(problems, fmt.Errorf("unexpected arguments %q", fs.Args()))
@@ -230,6 +240,16 @@ func readStatus(ctx context.Context, pool *pgxpool.Pool, schema string, th statu
 	if err != nil {
 		return nil, fmt.Errorf("count sagas of schema %q: %w", schema, err)
 	}
+	// inbox_poison holds only given-up messages, which an operator deletes once handled: a
+	// small table, counted in full.
+	rows, err = pool.Query(ctx, `SELECT consumer, count(*) FROM `+t("inbox_poison")+` GROUP BY consumer ORDER BY consumer`)
+	if err != nil {
+		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
+	}
+	r.InboxPoison, err = pgx.CollectRows(rows, pgx.RowToStructByPos[statusPoison])
+	if err != nil {
+		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
+	}
 	r.SagaStatesNote = "finished sagas (completed, compensated) are not counted: `onceflow saga list` lists them"
 	r.check()
 	return r, nil
@@ -271,6 +291,13 @@ func (r *statusReport) check() {
 	}
 	if stuck > th.maxStuckSagas {
 		add("%d sagas stuck (over %d): `onceflow saga list --state stuck`, then `onceflow saga retry`", stuck, th.maxStuckSagas)
+	}
+	var poison int64
+	for _, p := range r.InboxPoison {
+		poison += p.Count
+	}
+	if poison > th.maxPoison {
+		add("%d inbox messages given up as poison (over %d): `onceflow inbox poison` shows them and why", poison, th.maxPoison)
 	}
 	r.OK = len(r.Problems) == 0
 }
@@ -319,6 +346,14 @@ func (r *statusReport) print(w io.Writer) error {
 		}
 	} else {
 		p.f("\nno running, compensating or stuck sagas\n")
+	}
+	if len(r.InboxPoison) > 0 {
+		p.f("\nINBOX CONSUMER\tPOISON MESSAGES\n")
+		for _, ps := range r.InboxPoison {
+			p.f("%s\t%d\n", ps.Consumer, ps.Count)
+		}
+	} else {
+		p.f("no inbox messages given up as poison\n")
 	}
 	return p.flush(tw)
 }
