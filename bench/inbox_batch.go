@@ -226,7 +226,8 @@ const (
 type latencyConsumer func(ctx context.Context, topic string, committed func(*message.Message)) (stop func(), err error)
 
 // benchInboxBatchLatency: publish → effect committed at 200 msg/s from one producer, for the
-// batched consumer and the per-message inbox through the Watermill router, in the same run.
+// batched consumer and the per-message inbox through the Watermill router, in the same run
+// and the same time window (see measureConsumerLatency).
 //
 // "Effect committed" is taken on the consumer's side, in the same process as the producer
 // (one clock): the time at which the call that committed the message's transaction returned
@@ -290,27 +291,24 @@ func benchInboxBatchLatency(ctx context.Context, e *env) ([]result, error) {
 		}}
 		return runBatchConsumer(ctx, e, batchBenchConfig(e, topic, op))
 	}
+	systems := []latencySystem{{name: "inbox-router", consumer: "lat-router", start: router}, {name: "onceflow", consumer: "lat-batch", start: batched}}
+	lats, err := measureConsumerLatency(ctx, e, systems)
+	if err != nil {
+		return nil, err
+	}
+	// Exactly once: the warm-up messages and the timed ones, each applied once per consumer
+	// (the two topics' messages have different uuids).
+	want := inboxBatchLatencyMessages + inboxBenchPartitions
+	if err := checkEffects(ctx, pool, len(systems)*want); err != nil {
+		return nil, err
+	}
 	var out []result
 	p50s := map[string]time.Duration{}
-	for _, s := range []struct {
-		name, consumer string
-		start          latencyConsumer
-	}{{"inbox-router", "lat-router", router}, {"onceflow", "lat-batch", batched}} {
-		lat, err := measureConsumerLatency(ctx, e, s.name, s.start)
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", s.name, err)
-		}
-		// Exactly once: the warm-up messages and the timed ones, each applied once.
-		want := inboxBatchLatencyMessages + inboxBenchPartitions
-		if err := checkEffects(ctx, pool, want); err != nil {
-			return nil, fmt.Errorf("%s: %w", s.name, err)
-		}
+	for i, s := range systems {
 		if err := checkDedup(ctx, pool, s.consumer, want); err != nil {
 			return nil, fmt.Errorf("%s: %w", s.name, err)
 		}
-		if _, err := pool.Exec(ctx, `TRUNCATE effect`); err != nil {
-			return nil, err
-		}
+		lat := lats[i]
 		p50, p99 := percentile(lat, 50), percentile(lat, 99)
 		p50s[s.name] = p50
 		fmt.Fprintf(os.Stderr, "  inbox_batch_latency %-12s n=%d p50=%s p90=%s p99=%s max=%s\n", s.name, len(lat), p50, percentile(lat, 90), p99, slices.Max(lat))
@@ -334,62 +332,84 @@ func benchInboxBatchLatency(ctx context.Context, e *env) ([]result, error) {
 	return out, nil
 }
 
-// measureConsumerLatency creates a topic of inboxBenchPartitions partitions, starts the
-// consumer, warms it up with one message per partition (group joined, every partition
-// fetched, connections open), then produces inboxBatchLatencyMessages messages, one every
-// inboxBatchLatencyInterval, round-robin over the partitions, and returns each one's time
-// from send to effect committed.
-func measureConsumerLatency(ctx context.Context, e *env, name string, start latencyConsumer) ([]time.Duration, error) {
-	topic := benchTopic("inbox-batch-latency-" + name)
-	cl, err := kgo.NewClient(kgo.SeedBrokers(e.brokers...), kgo.DefaultProduceTopic(topic),
+// latencySystem is one consumer of the latency row.
+type latencySystem struct {
+	name, consumer string // row name, inbox consumer name
+	start          latencyConsumer
+}
+
+// measureConsumerLatency gives each system a topic of inboxBenchPartitions partitions,
+// starts its consumer and warms it up with one message per partition (group joined, every
+// partition fetched, connections open). Then one producer sends inboxBatchLatencyMessages
+// messages to each topic, one per topic every inboxBatchLatencyInterval, round-robin over the
+// partitions, and it returns, per system, each message's time from send to effect committed.
+//
+// The systems run at the same time, on the same schedule, rather than one after the other: on
+// a shared machine whose load changes from second to second, two 10-second windows apart
+// measure the neighbours as much as the consumers. Which topic gets the tick's first message
+// alternates, so neither is always second.
+func measureConsumerLatency(ctx context.Context, e *env, systems []latencySystem) ([][]time.Duration, error) {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(e.brokers...),
 		kgo.RecordPartitioner(kgo.ManualPartitioner()),
 		kgo.ProducerLinger(0)) // franz-go lingers 10 ms by default: send each record at once
 	if err != nil {
 		return nil, err
 	}
 	defer cl.Close()
-	if err := createInboxBenchTopic(e.brokers, topic); err != nil {
-		return nil, err
+	type sysState struct {
+		topic       string
+		mu          sync.Mutex
+		lat         []time.Duration
+		warm, timed atomic.Int64
 	}
-	var mu sync.Mutex
-	var lat []time.Duration
-	var warm, timed atomic.Int64
-	committed := func(msg *message.Message) {
-		at := time.Now()
-		if msg.Metadata.Get(benchWarmHeader) != "" {
-			warm.Add(1)
-			return
+	states := make([]*sysState, len(systems))
+	for i, sys := range systems {
+		st := &sysState{topic: benchTopic("inbox-batch-latency-" + sys.name)}
+		states[i] = st
+		if err := createInboxBenchTopic(e.brokers, st.topic); err != nil {
+			return nil, err
 		}
-		sent, err := strconv.ParseInt(msg.Metadata.Get(benchSentHeader), 10, 64)
+		committed := func(msg *message.Message) {
+			at := time.Now()
+			if msg.Metadata.Get(benchWarmHeader) != "" {
+				st.warm.Add(1)
+				return
+			}
+			sent, err := strconv.ParseInt(msg.Metadata.Get(benchSentHeader), 10, 64)
+			if err != nil {
+				e.log.Warn("latency bench: message without a send time", "uuid", msg.UUID)
+				return
+			}
+			st.mu.Lock()
+			st.lat = append(st.lat, at.Sub(time.Unix(0, sent)))
+			st.mu.Unlock()
+			st.timed.Add(1)
+		}
+		stop, err := sys.start(ctx, st.topic, committed)
 		if err != nil {
-			e.log.Warn("latency bench: message without a send time", "uuid", msg.UUID)
-			return
+			return nil, fmt.Errorf("%s: %w", sys.name, err)
 		}
-		mu.Lock()
-		lat = append(lat, at.Sub(time.Unix(0, sent)))
-		mu.Unlock()
-		timed.Add(1)
+		defer stop()
 	}
-	stop, err := start(ctx, topic, committed)
-	if err != nil {
-		return nil, err
-	}
-	defer stop()
-	record := func(i int32, warmUp bool) *kgo.Record {
+	record := func(topic string, i int32, warmUp bool) *kgo.Record {
 		msg := outbox.NewMessage(benchPayload)
 		h := []kgo.RecordHeader{{Key: kafka.UUIDHeaderKey, Value: []byte(msg.UUID)}}
 		if warmUp {
 			h = append(h, kgo.RecordHeader{Key: benchWarmHeader, Value: []byte("1")})
 		}
-		return &kgo.Record{Partition: i % inboxBenchPartitions, Key: []byte(keyName(int(i))), Value: msg.Payload, Headers: h}
+		return &kgo.Record{Topic: topic, Partition: i % inboxBenchPartitions, Key: []byte(keyName(int(i))), Value: msg.Payload, Headers: h}
 	}
-	for p := range int32(inboxBenchPartitions) {
-		if err := cl.ProduceSync(ctx, record(p, true)).FirstErr(); err != nil {
-			return nil, fmt.Errorf("warm-up: %w", err)
+	for i, st := range states {
+		for p := range int32(inboxBenchPartitions) {
+			if err := cl.ProduceSync(ctx, record(st.topic, p, true)).FirstErr(); err != nil {
+				return nil, fmt.Errorf("%s: warm-up: %w", systems[i].name, err)
+			}
 		}
 	}
-	if err := waitCount(ctx, &warm, inboxBenchPartitions, time.Minute); err != nil {
-		return nil, fmt.Errorf("warm-up: %w", err)
+	for i, st := range states {
+		if err := waitCount(ctx, &st.warm, inboxBenchPartitions, time.Minute); err != nil {
+			return nil, fmt.Errorf("%s: warm-up: %w", systems[i].name, err)
+		}
 	}
 	var produceErr atomic.Value
 	begin := time.Now().Add(20 * time.Millisecond)
@@ -397,13 +417,16 @@ func measureConsumerLatency(ctx context.Context, e *env, name string, start late
 		// Paced on a schedule, not a sleep after each send, so a slow send does not push back
 		// the ones after it.
 		time.Sleep(time.Until(begin.Add(time.Duration(i) * inboxBatchLatencyInterval)))
-		r := record(int32(i), false)
-		r.Headers = append(r.Headers, kgo.RecordHeader{Key: benchSentHeader, Value: []byte(strconv.FormatInt(time.Now().UnixNano(), 10))})
-		cl.Produce(ctx, r, func(_ *kgo.Record, err error) {
-			if err != nil {
-				produceErr.CompareAndSwap(nil, err)
-			}
-		})
+		for j := range states {
+			st := states[(i+j)%len(states)]
+			r := record(st.topic, int32(i), false)
+			r.Headers = append(r.Headers, kgo.RecordHeader{Key: benchSentHeader, Value: []byte(strconv.FormatInt(time.Now().UnixNano(), 10))})
+			cl.Produce(ctx, r, func(_ *kgo.Record, err error) {
+				if err != nil {
+					produceErr.CompareAndSwap(nil, err)
+				}
+			})
+		}
 	}
 	if err := cl.Flush(ctx); err != nil {
 		return nil, err
@@ -411,12 +434,16 @@ func measureConsumerLatency(ctx context.Context, e *env, name string, start late
 	if err, _ := produceErr.Load().(error); err != nil {
 		return nil, fmt.Errorf("produce: %w", err)
 	}
-	if err := waitCount(ctx, &timed, inboxBatchLatencyMessages, time.Minute); err != nil {
-		return nil, err
+	out := make([][]time.Duration, len(states))
+	for i, st := range states {
+		if err := waitCount(ctx, &st.timed, inboxBatchLatencyMessages, time.Minute); err != nil {
+			return nil, fmt.Errorf("%s: %w", systems[i].name, err)
+		}
+		st.mu.Lock()
+		out[i] = slices.Clone(st.lat)
+		st.mu.Unlock()
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	return slices.Clone(lat), nil
+	return out, nil
 }
 
 // waitCount waits until n reaches want, polling every millisecond.
