@@ -59,21 +59,23 @@ func effectSet(ctx context.Context, tx pgx.Tx, msgs []*message.Message) ([]*mess
 	return nil, err
 }
 
-// observedProcessor wraps a BatchProcessor and calls committed with the batch's messages
-// after each successful ProcessBatch, i.e. once their effects and dedup rows committed.
+// observedProcessor wraps a BatchProcessor and calls committed with the batch's messages and
+// the time ProcessBatch was called after each successful ProcessBatch, i.e. once their
+// effects and dedup rows committed.
 type observedProcessor struct {
 	inbox.BatchProcessor
 	started   func()
-	committed func(msgs []*message.Message)
+	committed func(msgs []*message.Message, started time.Time)
 }
 
 func (p *observedProcessor) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
+	t0 := time.Now()
 	if p.started != nil {
 		p.started()
 	}
 	err := p.BatchProcessor.ProcessBatch(ctx, msgs)
 	if err == nil {
-		p.committed(msgs)
+		p.committed(msgs, t0)
 	}
 	return err
 }
@@ -181,7 +183,7 @@ func consumeBatchBench(ctx context.Context, e *env, topic string, p inbox.BatchP
 	op := &observedProcessor{
 		BatchProcessor: p,
 		started:        func() { first.CompareAndSwap(0, time.Now().UnixNano()) },
-		committed: func(msgs []*message.Message) {
+		committed: func(msgs []*message.Message, _ time.Time) {
 			last.Store(time.Now().UnixNano())
 			batches.Add(1)
 			if done.Add(int64(len(msgs))) >= inboxBenchMessages {
@@ -221,9 +223,10 @@ const (
 )
 
 // latencyConsumer starts a consumer of topic whose handler is effectNoPublish behind the
-// inbox, calling committed for each message once its effect has committed; it returns a
+// inbox, calling committed for each message once its effect has committed, with the time its
+// processing started (the inbox middleware, or ProcessBatch, was called); it returns a
 // function that stops the consumer.
-type latencyConsumer func(ctx context.Context, topic string, committed func(*message.Message)) (stop func(), err error)
+type latencyConsumer func(ctx context.Context, topic string, committed func(msg *message.Message, started time.Time)) (stop func(), err error)
 
 // benchInboxBatchLatency: publish → effect committed at 200 msg/s from one producer, for the
 // batched consumer and the per-message inbox through the Watermill router, in the same run
@@ -245,7 +248,7 @@ func benchInboxBatchLatency(ctx context.Context, e *env) ([]result, error) {
 	if _, err := pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, msg_uuid text NOT NULL, payload bytea NOT NULL)`); err != nil {
 		return nil, err
 	}
-	router := func(ctx context.Context, topic string, committed func(*message.Message)) (func(), error) {
+	router := func(ctx context.Context, topic string, committed func(*message.Message, time.Time)) (func(), error) {
 		ib, err := inbox.New(inbox.Config{Pool: pool, Schema: schema, Consumer: "lat-router", Logger: e.log})
 		if err != nil {
 			return nil, err
@@ -261,9 +264,10 @@ func benchInboxBatchLatency(ctx context.Context, e *env) ([]result, error) {
 		}
 		observe := func(next message.HandlerFunc) message.HandlerFunc {
 			return func(msg *message.Message) ([]*message.Message, error) {
+				started := time.Now()
 				out, err := next(msg) // the inbox middleware returns after COMMIT
 				if err == nil {
-					committed(msg)
+					committed(msg, started)
 				}
 				return out, err
 			}
@@ -279,14 +283,14 @@ func benchInboxBatchLatency(ctx context.Context, e *env) ([]result, error) {
 			}
 		}, nil
 	}
-	batched := func(ctx context.Context, topic string, committed func(*message.Message)) (func(), error) {
+	batched := func(ctx context.Context, topic string, committed func(*message.Message, time.Time)) (func(), error) {
 		ib, err := inbox.New(inbox.Config{Pool: pool, Schema: schema, Consumer: "lat-batch", Logger: e.log})
 		if err != nil {
 			return nil, err
 		}
-		op := &observedProcessor{BatchProcessor: ib.BatchNoPublish(effectNoPublish), committed: func(msgs []*message.Message) {
+		op := &observedProcessor{BatchProcessor: ib.BatchNoPublish(effectNoPublish), committed: func(msgs []*message.Message, started time.Time) {
 			for _, m := range msgs {
-				committed(m)
+				committed(m, started)
 			}
 		}}
 		return runBatchConsumer(ctx, e, batchBenchConfig(e, topic, op))
@@ -359,17 +363,18 @@ func measureConsumerLatency(ctx context.Context, e *env, systems []latencySystem
 	type sysState struct {
 		topic       string
 		mu          sync.Mutex
-		lat         []time.Duration
+		lat, queued []time.Duration // send → committed, send → processing started
+		batches     map[time.Time]int
 		warm, timed atomic.Int64
 	}
 	states := make([]*sysState, len(systems))
 	for i, sys := range systems {
-		st := &sysState{topic: benchTopic("inbox-batch-latency-" + sys.name)}
+		st := &sysState{topic: benchTopic("inbox-batch-latency-" + sys.name), batches: map[time.Time]int{}}
 		states[i] = st
 		if err := createInboxBenchTopic(e.brokers, st.topic); err != nil {
 			return nil, err
 		}
-		committed := func(msg *message.Message) {
+		committed := func(msg *message.Message, started time.Time) {
 			at := time.Now()
 			if msg.Metadata.Get(benchWarmHeader) != "" {
 				st.warm.Add(1)
@@ -382,6 +387,8 @@ func measureConsumerLatency(ctx context.Context, e *env, systems []latencySystem
 			}
 			st.mu.Lock()
 			st.lat = append(st.lat, at.Sub(time.Unix(0, sent)))
+			st.queued = append(st.queued, started.Sub(time.Unix(0, sent)))
+			st.batches[started]++
 			st.mu.Unlock()
 			st.timed.Add(1)
 		}
@@ -441,6 +448,10 @@ func measureConsumerLatency(ctx context.Context, e *env, systems []latencySystem
 		}
 		st.mu.Lock()
 		out[i] = slices.Clone(st.lat)
+		// Where the time goes: before processing started (Kafka, the consumer's own queueing)
+		// and in it (the transaction).
+		fmt.Fprintf(os.Stderr, "  inbox_batch_latency %-12s send → processing started p50=%s p90=%s; %.2f messages per transaction\n",
+			systems[i].name, percentile(st.queued, 50), percentile(st.queued, 90), float64(len(st.lat))/float64(len(st.batches)))
 		st.mu.Unlock()
 	}
 	return out, nil
