@@ -36,13 +36,41 @@ func benchInbox(ctx context.Context, e *env) ([]result, error) {
 		return nil, err
 	}
 	defer pool.Close()
+	topic, err := prepareInboxBench(ctx, e, pool, "inbox")
+	if err != nil {
+		return nil, err
+	}
+	bareRate, inboxRate, err := measureInboxRouter(ctx, e, pool, schema, topic)
+	if err != nil {
+		return nil, err
+	}
+	return []result{
+		{Scenario: "inbox", System: "bare-handler", Value: bareRate, Unit: "msg/s", HigherIsBetter: true},
+		{Scenario: "inbox", System: "onceflow", Value: inboxRate, Unit: "msg/s", HigherIsBetter: true, Target: "≥ 0.5× bare-handler"},
+	}, nil
+}
+
+// effectHandlerSQL is the handlers' one INSERT, the effect of every inbox row.
+const effectHandlerSQL = `INSERT INTO effect (msg_uuid, payload) VALUES ($1, $2)`
+
+// prepareInboxBench creates the effect table in pool's schema and a topic pre-filled by
+// produceInboxBench, and returns the topic.
+func prepareInboxBench(ctx context.Context, e *env, pool *pgxpool.Pool, name string) (string, error) {
 	if _, err := pool.Exec(ctx, `CREATE TABLE effect (id bigserial PRIMARY KEY, msg_uuid text NOT NULL, payload bytea NOT NULL)`); err != nil {
-		return nil, err
+		return "", err
 	}
-	topic := fmt.Sprintf("bench-inbox-%d", time.Now().UnixNano())
+	topic := fmt.Sprintf("bench-%s-%d", name, time.Now().UnixNano())
 	if err := produceInboxBench(e.brokers, topic); err != nil {
-		return nil, err
+		return "", err
 	}
+	return topic, nil
+}
+
+// measureInboxRouter consumes topic twice through a Watermill router, each time with a fresh
+// group: a bare handler running its own transaction, then the same INSERT behind the inbox
+// (consumer "bench"). It checks each run's effects (every message once) and leaves the
+// effect table empty.
+func measureInboxRouter(ctx context.Context, e *env, pool *pgxpool.Pool, schema, topic string) (bareRate, inboxRate float64, err error) {
 	// Baseline: the handler opens and commits its own transaction, no dedup.
 	bare := func(msg *message.Message) ([]*message.Message, error) {
 		tx, err := pool.Begin(msg.Context())
@@ -50,48 +78,56 @@ func benchInbox(ctx context.Context, e *env) ([]result, error) {
 			return nil, err
 		}
 		defer tx.Rollback(context.WithoutCancel(msg.Context()))
-		if _, err := tx.Exec(msg.Context(), `INSERT INTO effect (msg_uuid, payload) VALUES ($1, $2)`, msg.UUID, msg.Payload); err != nil {
+		if _, err := tx.Exec(msg.Context(), effectHandlerSQL, msg.UUID, msg.Payload); err != nil {
 			return nil, err
 		}
 		return nil, tx.Commit(msg.Context())
 	}
-	bareRate, err := consumeInboxBench(ctx, e, topic, "bench-bare", nil, bare)
+	bareRate, err = consumeInboxBench(ctx, e, topic, "bench-bare", nil, bare)
 	if err != nil {
-		return nil, fmt.Errorf("bare-handler: %w", err)
+		return 0, 0, fmt.Errorf("bare-handler: %w", err)
 	}
 	if err := checkEffects(ctx, pool, inboxBenchMessages); err != nil {
-		return nil, fmt.Errorf("bare-handler: %w", err)
+		return 0, 0, fmt.Errorf("bare-handler: %w", err)
 	}
 	if _, err := pool.Exec(ctx, `TRUNCATE effect`); err != nil {
-		return nil, err
+		return 0, 0, err
 	}
 
 	ib, err := inbox.New(inbox.Config{Pool: pool, Schema: schema, Consumer: "bench", Logger: e.log})
 	if err != nil {
-		return nil, err
+		return 0, 0, err
 	}
 	withInbox := func(msg *message.Message) ([]*message.Message, error) {
-		_, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), `INSERT INTO effect (msg_uuid, payload) VALUES ($1, $2)`, msg.UUID, msg.Payload)
+		_, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), effectHandlerSQL, msg.UUID, msg.Payload)
 		return nil, err
 	}
-	inboxRate, err := consumeInboxBench(ctx, e, topic, "bench-inbox", ib.Middleware, withInbox)
+	inboxRate, err = consumeInboxBench(ctx, e, topic, "bench-inbox", ib.Middleware, withInbox)
 	if err != nil {
-		return nil, fmt.Errorf("inbox: %w", err)
+		return 0, 0, fmt.Errorf("inbox: %w", err)
 	}
 	if err := checkEffects(ctx, pool, inboxBenchMessages); err != nil {
-		return nil, fmt.Errorf("inbox: %w", err)
+		return 0, 0, fmt.Errorf("inbox: %w", err)
 	}
+	if err := checkDedup(ctx, pool, "bench", inboxBenchMessages); err != nil {
+		return 0, 0, fmt.Errorf("inbox: %w", err)
+	}
+	if _, err := pool.Exec(ctx, `TRUNCATE effect`); err != nil {
+		return 0, 0, err
+	}
+	return bareRate, inboxRate, nil
+}
+
+// checkDedup fails unless consumer has want dedup rows.
+func checkDedup(ctx context.Context, pool *pgxpool.Pool, consumer string, want int) error {
 	var dedup int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer = 'bench'`).Scan(&dedup); err != nil {
-		return nil, err
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE consumer = $1`, consumer).Scan(&dedup); err != nil {
+		return err
 	}
-	if dedup != inboxBenchMessages {
-		return nil, fmt.Errorf("inbox: %d dedup rows, want %d", dedup, inboxBenchMessages)
+	if dedup != want {
+		return fmt.Errorf("%d dedup rows of consumer %q, want %d", dedup, consumer, want)
 	}
-	return []result{
-		{Scenario: "inbox", System: "bare-handler", Value: bareRate, Unit: "msg/s", HigherIsBetter: true},
-		{Scenario: "inbox", System: "onceflow", Value: inboxRate, Unit: "msg/s", HigherIsBetter: true, Target: "≥ 0.5× bare-handler"},
-	}, nil
+	return nil
 }
 
 func checkEffects(ctx context.Context, pool *pgxpool.Pool, want int) error {
@@ -112,18 +148,9 @@ func checkEffects(ctx context.Context, pool *pgxpool.Pool, want int) error {
 var inboxBenchMeta map[string]string
 
 func produceInboxBench(brokers []string, topic string) error {
-	cfg := sarama.NewConfig()
-	cfg.Version = sarama.V2_1_0_0
-	cfg.Producer.Return.Successes = true
-	cfg.Producer.RequiredAcks = sarama.WaitForAll
-	admin, err := sarama.NewClusterAdmin(brokers, cfg)
-	if err != nil {
-		return fmt.Errorf("kafka admin: %w", err)
-	}
-	err = admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: inboxBenchPartitions, ReplicationFactor: 1}, false)
-	_ = admin.Close()
-	if err != nil {
-		return fmt.Errorf("create topic %s: %w", topic, err)
+	cfg := benchSaramaConfig()
+	if err := createInboxBenchTopic(brokers, topic); err != nil {
+		return err
 	}
 	producer, err := sarama.NewSyncProducer(brokers, cfg)
 	if err != nil {
@@ -148,6 +175,28 @@ func produceInboxBench(brokers []string, topic string) error {
 		if err := producer.SendMessages(batch); err != nil {
 			return fmt.Errorf("produce: %w", err)
 		}
+	}
+	return nil
+}
+
+func benchSaramaConfig() *sarama.Config {
+	cfg := sarama.NewConfig()
+	cfg.Version = sarama.V2_1_0_0
+	cfg.Producer.Return.Successes = true
+	cfg.Producer.RequiredAcks = sarama.WaitForAll
+	return cfg
+}
+
+// createInboxBenchTopic creates topic with inboxBenchPartitions partitions.
+func createInboxBenchTopic(brokers []string, topic string) error {
+	admin, err := sarama.NewClusterAdmin(brokers, benchSaramaConfig())
+	if err != nil {
+		return fmt.Errorf("kafka admin: %w", err)
+	}
+	err = admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: inboxBenchPartitions, ReplicationFactor: 1}, false)
+	_ = admin.Close()
+	if err != nil {
+		return fmt.Errorf("create topic %s: %w", topic, err)
 	}
 	return nil
 }

@@ -96,6 +96,8 @@ var scenarios = []scenario{
 	{"latency_load", benchLatencyLoad},
 	{"stall", benchStall},
 	{"inbox", benchInbox},
+	{"inbox_batch", benchInboxBatch},
+	{"inbox_batch_latency", benchInboxBatchLatency},
 	{"inbox_cleanup", benchInboxCleanup},
 	{"http", benchHTTP},
 	{"saga", benchSaga},

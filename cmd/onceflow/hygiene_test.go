@@ -25,6 +25,7 @@ var everyHelp = [][]string{
 	{"outbox", "inspect", "-h"}, {"outbox", "parked", "-h"}, {"outbox", "replay", "--help"},
 	{"cleanup", "-h"}, {"cleanup", "--help"},
 	{"topics", "-h"}, {"topics", "--help"}, {"topics", "create", "-h"}, {"topics", "list", "--help"},
+	{"inbox", "-h"}, {"inbox", "poison", "-h"}, {"inbox", "poison", "list", "--help"}, {"inbox", "poison", "delete", "-h"},
 }
 
 // No command prints the database password: not in usage text (the flag default comes from
@@ -49,6 +50,7 @@ func TestNoPasswordInOutput(t *testing.T) {
 		{"relay", "--nope"}, {"relay", "--kafka-brokers", "127.0.0.1:1"}, {"relay", "--batch-size", "x"},
 		{"outbox", "inspect", "--nope"}, {"outbox", "inspect"}, {"outbox", "parked"}, {"outbox", "replay", "--all"},
 		{"cleanup", "--nope"}, {"cleanup", "--batch-size", "x"}, {"cleanup"},
+		{"inbox", "poison"}, {"inbox", "poison", "--nope"}, {"inbox", "poison", "delete", "--id", "1"},
 	}...)
 	var mu sync.Mutex
 	var leaks []string
@@ -162,7 +164,7 @@ func TestHelpOnStdout(t *testing.T) {
 		})
 	}
 	for _, args := range [][]string{{}, {"--nope"}, {"nope"}, {"migrate"}, {"migrate", "up", "--nope"}, {"relay", "--nope"},
-		{"outbox"}, {"outbox", "inspect", "--nope"}, {"cleanup", "--nope"}} {
+		{"outbox"}, {"outbox", "inspect", "--nope"}, {"cleanup", "--nope"}, {"inbox"}, {"inbox", "poison", "--nope"}} {
 		r := runCmd(context.Background(), nil, args...)
 		if r.code != 2 || r.stdout != "" || !strings.Contains(r.stderr, "Usage: onceflow") {
 			t.Errorf("%q: exit %d\nstdout:\n%s\nstderr:\n%s", args, r.code, r.stdout, r.stderr)
@@ -250,6 +252,8 @@ func TestUnmigratedSchemaSaysWhatToRun(t *testing.T) {
 		{[]string{"outbox", "replay", "--all", "--dry-run"}, 1},
 		{[]string{"cleanup"}, 1},
 		{[]string{"cleanup", "--only", "idempotency_record"}, 1},
+		{[]string{"inbox", "poison"}, 1},
+		{[]string{"inbox", "poison", "delete", "--id", "1"}, 1},
 		{[]string{"relay", "--kafka-brokers", "127.0.0.1:1"}, 1},
 		{[]string{"migrate", "status"}, exitPending},
 	} {

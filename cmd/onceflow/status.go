@@ -30,6 +30,7 @@ type statusThresholds struct {
 	maxRetention  int64         // more rows past the retention window than this, in any table
 	maxStuckSagas int64         // more sagas in state stuck than this
 	maxSagaAge    time.Duration // a saga running or compensating for longer than this (0: off)
+	maxPoison     int64         // more rows in inbox_poison than this
 	window        time.Duration // the retention window of processed_event and finished sagas
 }
 
@@ -48,12 +49,15 @@ type statusReport struct {
 		OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 		Parked           int64   `json:"parked"`
 	} `json:"outbox"`
-	Shards         int           `json:"shards"`
-	ShardsUnowned  int           `json:"shards_without_live_owner"`
-	Relays         []statusRelay `json:"relays"`
-	Retention      []statusTable `json:"retention"`
-	Sagas          []statusSagas `json:"sagas"`
-	SagaStatesNote string        `json:"sagas_note,omitempty"`
+	Shards        int           `json:"shards"`
+	ShardsUnowned int           `json:"shards_without_live_owner"`
+	Relays        []statusRelay `json:"relays"`
+	Retention     []statusTable `json:"retention"`
+	Sagas         []statusSagas `json:"sagas"`
+	// InboxPoison counts the messages batched consumers gave up on (inbox_poison), per
+	// consumer; `onceflow inbox poison` lists them.
+	InboxPoison    []statusPoison `json:"inbox_poison"`
+	SagaStatesNote string         `json:"sagas_note,omitempty"`
 	// SagasOverAge counts sagas running or compensating for longer than --max-saga-age
 	// (capped, like the retention counts); OldestSaga is the oldest of them.
 	SagasOverAge int64       `json:"sagas_over_age"`
@@ -81,6 +85,11 @@ type statusTable struct {
 	Exact   bool  `json:"exact"`
 }
 
+type statusPoison struct {
+	Consumer string `json:"consumer"`
+	Count    int64  `json:"count"`
+}
+
 type statusSagas struct {
 	Name  string `json:"name"`
 	State string `json:"state"`
@@ -105,7 +114,7 @@ const statusSynopsis = `status [flags]
 
 One screen for an operator: the relays (id, host, shards held, last heartbeat), the outbox
 backlog and the age of its oldest row, parked rows, rows past retention in each dedup table,
-and sagas by state. Exits 4 when something is stuck (see the --max-* thresholds), 0 when
+sagas by state, and inbox messages given up as poison. Exits 4 when something is stuck (see the --max-* thresholds), 0 when
 all is well, 1 when it could not look. --watch refreshes it; --json prints it for scripts
 (one object per refresh).`
 
@@ -122,6 +131,7 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	fs.Int64Var(&th.maxRetention, "max-retention-backlog", 100_000, "stuck when a table holds more rows past retention than this (cleanup not running)")
 	fs.Int64Var(&th.maxStuckSagas, "max-stuck-sagas", 0, "stuck when more sagas than this are in state stuck")
 	fs.DurationVar(&th.maxSagaAge, "max-saga-age", time.Hour, "stuck when a saga is running or compensating for longer than this since its start (0: no check)")
+	fs.Int64Var(&th.maxPoison, "max-inbox-poison", 0, "stuck when more inbox messages than this were given up as poison (onceflow inbox poison)")
 	windowText := fs.String("window", c.envOr("ONCEFLOW_RETENTION_WINDOW", strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s")),
 		"retention window of processed_event and finished sagas, as given to cleanup [ONCEFLOW_RETENTION_WINDOW]")
 	if err := parse(fs, args); err != nil {
@@ -139,8 +149,8 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	if th.maxOldest <= 0 || th.maxHeartbeat <= 0 {
 		problems = append(problems, errors.New("--max-oldest-age and --max-heartbeat-age must be positive"))
 	}
-	if th.maxParked < 0 || th.maxRetention < 0 || th.maxStuckSagas < 0 || th.maxSagaAge < 0 {
-		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas and --max-saga-age must be 0 or more"))
+	if th.maxParked < 0 || th.maxRetention < 0 || th.maxStuckSagas < 0 || th.maxSagaAge < 0 || th.maxPoison < 0 {
+		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age and --max-inbox-poison must be 0 or more"))
 	}
 	if fs.NArg() > 0 {
 		problems = append(problems, fmt.Errorf("unexpected arguments %q", fs.Args()))
@@ -250,6 +260,16 @@ func readStatus(ctx context.Context, pool *pgxpool.Pool, schema string, th statu
 	if err != nil {
 		return nil, fmt.Errorf("count sagas of schema %q: %w", schema, err)
 	}
+	// inbox_poison holds only given-up messages, which an operator deletes once handled: a
+	// small table, counted in full.
+	rows, err = pool.Query(ctx, `SELECT consumer, count(*) FROM `+t("inbox_poison")+` GROUP BY consumer ORDER BY consumer`)
+	if err != nil {
+		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
+	}
+	r.InboxPoison, err = pgx.CollectRows(rows, pgx.RowToStructByPos[statusPoison])
+	if err != nil {
+		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
+	}
 	r.SagaStatesNote = "finished sagas (completed, compensated) are not counted: `onceflow saga list` lists them"
 	if th.maxSagaAge > 0 {
 		// Stuck sagas are not counted here: --max-stuck-sagas reports them.
@@ -320,6 +340,13 @@ func (r *statusReport) check() {
 		add("%d%s sagas running or compensating for longer than %s; the oldest, %s (%s), is %s for %s: `onceflow saga show %s` says what it waits for",
 			r.SagasOverAge, more, th.maxSagaAge, o.ID, o.Name, o.State, time.Duration(o.AgeSeconds*float64(time.Second)).Round(time.Second), o.ID)
 	}
+	var poison int64
+	for _, p := range r.InboxPoison {
+		poison += p.Count
+	}
+	if poison > th.maxPoison {
+		add("%d inbox messages given up as poison (over %d): `onceflow inbox poison` shows them and why", poison, th.maxPoison)
+	}
 	r.OK = len(r.Problems) == 0
 }
 
@@ -367,6 +394,14 @@ func (r *statusReport) print(w io.Writer) error {
 		}
 	} else {
 		p.f("\nno running, compensating or stuck sagas\n")
+	}
+	if len(r.InboxPoison) > 0 {
+		p.f("\nINBOX CONSUMER\tPOISON MESSAGES\n")
+		for _, ps := range r.InboxPoison {
+			p.f("%s\t%d\n", ps.Consumer, ps.Count)
+		}
+	} else {
+		p.f("no inbox messages given up as poison\n")
 	}
 	return p.flush(tw)
 }

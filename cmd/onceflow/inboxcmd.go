@@ -1,0 +1,262 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+)
+
+const inboxSynopsis = `inbox poison [list|delete] [flags]
+
+  poison         messages a batched consumer gave up on (inbox_poison), newest first:
+                 consumer, message uuid, source (topic/partition@offset), attempts, error
+  poison delete  remove handled rows: --id N[,M...]
+
+A message is given up after its attempts (or at once when no retry can fix it) in one
+transaction with its dedup row, so its partition moved on and a redelivery is skipped.`
+
+func (c *cli) runInbox(ctx context.Context, args []string) error {
+	if len(args) == 0 {
+		c.inboxUsage(c.stderr)
+		return errUsage
+	}
+	switch args[0] {
+	case "poison":
+		rest := args[1:]
+		if len(rest) > 0 {
+			switch rest[0] {
+			case "list":
+				return c.inboxPoisonList(ctx, rest[1:])
+			case "delete":
+				return c.inboxPoisonDelete(ctx, rest[1:])
+			}
+		}
+		return c.inboxPoisonList(ctx, rest)
+	case "-h", "-help", "--help", "help":
+		c.inboxUsage(c.stdout)
+		return flag.ErrHelp
+	default:
+		fmt.Fprintf(c.stderr, "onceflow inbox: unknown action %q\n\n", args[0])
+		c.inboxUsage(c.stderr)
+		return errUsage
+	}
+}
+
+func (c *cli) inboxUsage(w io.Writer) {
+	fmt.Fprintf(w, "Usage: onceflow %s\n\nRun 'onceflow inbox poison -h' or 'onceflow inbox poison delete -h' for the flags.\n", inboxSynopsis)
+}
+
+// poisonRow is one row of inbox_poison; --json prints a list of them.
+type poisonRow struct {
+	ID          int64             `json:"id"`
+	Consumer    string            `json:"consumer"`
+	DedupKey    *string           `json:"dedup_key"` // null: the message had no usable key
+	MessageUUID string            `json:"message_uuid"`
+	Source      string            `json:"source"`
+	Attempts    int               `json:"attempts"`
+	FailedAt    time.Time         `json:"failed_at"`
+	Error       string            `json:"error"`
+	Metadata    map[string]string `json:"metadata"`
+	// Payload is the message's payload as text when it is valid UTF-8; otherwise
+	// PayloadBase64 holds it.
+	Payload       *string `json:"payload,omitempty"`
+	PayloadBase64 []byte  `json:"payload_base64,omitempty"`
+}
+
+const poisonListSynopsis = `inbox poison [flags]
+
+Lists the messages a batched consumer (inboxkafka.BatchConsumer) gave up on, newest first.
+Each was recorded together with its dedup row: its partition moved on, and a redelivery of
+it is skipped. --json adds the dedup key, the metadata and the payload.
+
+Once the cause is fixed, a message is applied again only if it is delivered again without
+its dedup row: delete the row of processed_event (consumer, dedup_key), then publish the
+payload and metadata (--json) to the source topic with the same message uuid. Remove the
+poison row when it is handled: onceflow inbox poison delete --id N.`
+
+func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("inbox poison", poisonListSynopsis)
+	db := c.addDBFlags(fs)
+	consumer := fs.String("consumer", "", "only rows of this inbox consumer (inbox.Config.Consumer)")
+	limit := fs.Int("limit", 100, "rows to list, newest first")
+	asJSON := fs.Bool("json", false, "print the rows as a JSON array, with dedup key, metadata and payload")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q (filter with --consumer)", fs.Args())
+	}
+	if *limit < 1 {
+		return fmt.Errorf("--limit is %d; it must be at least 1", *limit)
+	}
+	pool, err := db.connectMigrated(ctx, "onceflow-inbox")
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	table := pgsql.Table(db.schema, "inbox_poison")
+	var total int64
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE $1 = '' OR consumer = $1`, *consumer).Scan(&total); err != nil {
+		return fmt.Errorf("count the rows of %s.inbox_poison: %w", db.schema, err)
+	}
+	rows, err := pool.Query(ctx, `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, payload
+		FROM `+table+` WHERE $1 = '' OR consumer = $1 ORDER BY id DESC LIMIT $2`, *consumer, *limit)
+	if err != nil {
+		return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
+	}
+	list := []poisonRow{}
+	for rows.Next() {
+		var r poisonRow
+		var meta, payload []byte
+		if err := rows.Scan(&r.ID, &r.Consumer, &r.DedupKey, &r.MessageUUID, &r.Source, &r.Attempts, &r.FailedAt, &r.Error, &meta, &payload); err != nil {
+			rows.Close()
+			return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
+		}
+		if err := json.Unmarshal(meta, &r.Metadata); err != nil {
+			r.Metadata = map[string]string{"(undecodable)": string(meta)}
+		}
+		if utf8.Valid(payload) {
+			s := string(payload)
+			r.Payload = &s
+		} else {
+			r.PayloadBase64 = payload
+		}
+		list = append(list, r)
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
+	}
+	if *asJSON {
+		b, _ := json.Marshal(list)
+		_, err := fmt.Fprintf(c.stdout, "%s\n", b)
+		return err
+	}
+	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
+	p := &printer{w: tw}
+	if len(list) == 0 {
+		if *consumer != "" {
+			p.f("no poison messages of consumer %q\n", *consumer)
+		} else {
+			p.f("no poison messages\n")
+		}
+		return p.flush(tw)
+	}
+	p.f("ID\tCONSUMER\tMESSAGE UUID\tSOURCE\tATTEMPTS\tFAILED AT\tERROR\n")
+	for _, r := range list {
+		p.f("%d\t%s\t%s\t%s\t%d\t%s\t%s\n", r.ID, r.Consumer, r.MessageUUID, r.Source, r.Attempts, fmtTime(r.FailedAt), shorten(r.Error, 100))
+	}
+	shown := ""
+	if int64(len(list)) < total {
+		shown = fmt.Sprintf(" (the newest %d shown; --limit lists more)", len(list))
+	}
+	p.f("\n%d poison messages%s. Each has its dedup row: a redelivery is skipped.\n", total, shown)
+	p.f("--json shows the dedup key, metadata and payload (to re-publish a message after deleting its dedup row);\n")
+	p.f("once a message is handled: onceflow inbox poison delete --id %d\n", list[0].ID)
+	return p.flush(tw)
+}
+
+func (c *cli) inboxPoisonDelete(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("inbox poison delete", "inbox poison delete --id N[,M...] [flags]\n\n"+
+		"Removes handled rows of inbox_poison. Their dedup rows stay, so a redelivery of those\n"+
+		"messages is still skipped. Every id must exist (and belong to --consumer, if given),\n"+
+		"or nothing is deleted.")
+	db := c.addDBFlags(fs)
+	idsText := fs.String("id", "", "comma-separated row ids, as listed by onceflow inbox poison")
+	consumer := fs.String("consumer", "", "refuse unless every row belongs to this consumer")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q (pass the rows with --id)", fs.Args())
+	}
+	var ids []int64
+	var bad []string
+	for _, s := range splitList(*idsText) {
+		id, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || id < 1 {
+			bad = append(bad, strconv.Quote(s))
+			continue
+		}
+		if !slices.Contains(ids, id) {
+			ids = append(ids, id)
+		}
+	}
+	if len(bad) > 0 {
+		return fmt.Errorf("--id: not row ids: %s", strings.Join(bad, ", "))
+	}
+	if len(ids) == 0 {
+		fmt.Fprintln(c.stderr, "onceflow inbox poison delete: which rows? pass --id N[,M...] (see onceflow inbox poison)")
+		fs.Usage()
+		return errUsage
+	}
+	pool, err := db.connectMigrated(ctx, "onceflow-inbox")
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	table := pgsql.Table(db.schema, "inbox_poison")
+	errMissing := errors.New("missing rows")
+	var deleted []int64
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		rows, err := tx.Query(ctx, `DELETE FROM `+table+` WHERE id = ANY($1) AND ($2 = '' OR consumer = $2) RETURNING id`, ids, *consumer)
+		if err != nil {
+			return err
+		}
+		deleted, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			return err
+		}
+		if len(deleted) != len(ids) {
+			return errMissing // roll back: bad input changes nothing
+		}
+		return nil
+	})
+	if errors.Is(err, errMissing) {
+		var missing []string
+		for _, id := range ids {
+			if !slices.Contains(deleted, id) {
+				missing = append(missing, strconv.FormatInt(id, 10))
+			}
+		}
+		of := ""
+		if *consumer != "" {
+			of = fmt.Sprintf(" of consumer %q", *consumer)
+		}
+		return fmt.Errorf("no poison row%s with id %s in schema %q; nothing deleted (see onceflow inbox poison)", of, strings.Join(missing, ", "), db.schema)
+	}
+	if err != nil {
+		return fmt.Errorf("delete from %s.inbox_poison: %w", db.schema, err)
+	}
+	slices.Sort(deleted)
+	p := &printer{w: c.stdout}
+	for _, id := range deleted {
+		p.f("deleted poison row %d\n", id)
+	}
+	p.f("%d poison rows deleted; their dedup rows stay, so a redelivery is still skipped\n", len(deleted))
+	return p.err
+}
+
+// shorten puts s on one line and cuts it to n bytes (at a rune boundary), marking the cut.
+func shorten(s string, n int) string {
+	s = strings.Join(strings.Fields(s), " ")
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + "…"
+}
