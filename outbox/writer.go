@@ -27,11 +27,11 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/sqltx"
 	"github.com/onceflow/onceflow/internal/tracing"
 )
 
@@ -175,6 +175,12 @@ func WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Mess
 // invalid, nothing of the call is written and the error lists every refused message (see
 // ValidationError).
 func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
+	return w.write(ctx, sqltx.Pgx(tx), topic, msgs)
+}
+
+// write builds the statement and its arguments once, for either kind of transaction (q): the
+// pgx path and the database/sql path (WriteSQLTx) run the same SQL.
+func (w *Writer) write(ctx context.Context, tx sqltx.Querier, topic string, msgs []*message.Message) error {
 	if len(msgs) == 0 {
 		return fmt.Errorf("outbox: %w", ErrNoMessages)
 	}
@@ -249,11 +255,10 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 			w.awakeAt.Store(time.Now().UnixNano())
 		}
 	} else {
-		tag, err := tx.Exec(ctx, sql, args...)
-		if err != nil {
+		var err error
+		if n, err = tx.Exec(ctx, sql, args...); err != nil {
 			return w.insertError(len(msgs), err)
 		}
-		n = tag.RowsAffected()
 	}
 	if n != int64(len(msgs)) {
 		return fmt.Errorf("outbox: inserted %d rows for %d messages", n, len(msgs))
@@ -263,8 +268,8 @@ func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*
 
 // insertError wraps a failed insert, saying what to run when the schema lacks a migration.
 func (w *Writer) insertError(n int, err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && (pgErr.Code == "42883" || pgErr.Code == "42P01" || pgErr.Code == "42703") {
+	// SQLState, not *pgconn.PgError: a database/sql driver (lib/pq) has errors of its own.
+	if code := sqltx.SQLState(err); code == "42883" || code == "42P01" || code == "42703" {
 		// undefined function, table or column: the schema is older than this library.
 		return fmt.Errorf("outbox: insert %d messages into %s.outbox: %w (the schema lacks migrations this version needs: run `onceflow migrate up --schema %s` or migrations.Up)", n, w.cfg.Schema, err, w.cfg.Schema)
 	}
