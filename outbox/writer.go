@@ -8,6 +8,9 @@
 //	err := outbox.WriteTx(ctx, tx, "orders", outbox.NewMessage(payload))
 //	// ... tx.Commit(ctx)
 //
+// Code written against database/sql writes into its *sql.Tx with WriteSQLTx (any PostgreSQL
+// driver; the same statement as WriteTx).
+//
 // Code written against Watermill can use a message.Publisher instead: NewTxPublisher binds one
 // to a transaction, and ContextPublisher finds the transaction in each message's context
 // (ContextWithTx), which is what a cqrs.EventBus needs.

@@ -133,6 +133,12 @@ func TestMoveDefaultAdapterCustomNames(t *testing.T) {
 	if res, err := fromforwarder.Move(ctx, db.Pool, dry); err != nil || res.Moved != 8 {
 		t.Fatalf("after rollback: %+v, %v", res, err)
 	}
+	// docs/operations.md's rollback removes the moved rows from the outbox (bytea variant).
+	tag, err := db.Pool.Exec(ctx, `DELETE FROM `+db.Table("outbox")+` o USING `+table+` w
+		WHERE o.event_id::text = convert_from(w.payload, 'UTF8')::jsonb->>'uuid'`)
+	if err != nil || tag.RowsAffected() != 8 {
+		t.Fatalf("rollback delete: %v, %v", tag, err)
+	}
 }
 
 // Queue adapter: unacked rows move and are marked acked (or deleted with Delete); acked rows
