@@ -62,6 +62,9 @@ func (c *cli) runFromForwarder(ctx context.Context, args []string) error {
 		fmt.Fprintf(c.stdout, ", %d partition keys, first uuid %s, last uuid %s", res.Keys, res.FirstID, res.LastID)
 	}
 	fmt.Fprintln(c.stdout)
+	if res.TotalMoved > 0 {
+		fmt.Fprintf(c.stdout, "moved from this table so far, over every run: %d messages\n", res.TotalMoved)
+	}
 	if res.HeldBack > 0 {
 		fmt.Fprintf(c.stdout, "%d more rows wait behind transactions still open (the move waits up to --wait-open-transactions for them)\n", res.HeldBack)
 	}
@@ -73,12 +76,12 @@ func (c *cli) runFromForwarder(ctx context.Context, args []string) error {
 	for _, t := range topics {
 		fmt.Fprintf(c.stdout, "  %-40s %d\n", t, res.Topics[t])
 	}
-	if cfg.Adapter == fromforwarder.AdapterDefault || cfg.Adapter == "" {
-		fmt.Fprintf(c.stdout, "forwarder position: before (transaction %s, offset %d), after (transaction %s, offset %d)\n",
+	if (cfg.Adapter == fromforwarder.AdapterDefault || cfg.Adapter == "") && res.Start.TransactionID != "" {
+		fmt.Fprintf(c.stdout, "forwarder position: before the first move (transaction %s, offset %d), now (transaction %s, offset %d)\n",
 			res.Start.TransactionID, res.Start.Offset, res.End.TransactionID, res.End.Offset)
 	}
-	if res.RollbackSQL != "" && !cfg.DryRun && res.Moved > 0 {
-		fmt.Fprintf(c.stdout, "to roll back to the forwarder (relays stopped, then delete the moved rows from the outbox or let consumers' inbox skip them):\n  %s\n", res.RollbackSQL)
+	if res.RollbackSQL != "" && res.TotalMoved > 0 {
+		fmt.Fprintf(c.stdout, "way back to the forwarder (docs/operations.md, Rollback): stop the relays, then\n  %s\n", res.RollbackSQL)
 	}
 	return err
 }

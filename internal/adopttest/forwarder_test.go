@@ -270,6 +270,11 @@ func TestForwarderTableMovesToRelayExactlyOnce(t *testing.T) {
 		t.Fatalf("rerun: %v\n%s", err, out)
 	}
 	t.Logf("rerun: %s", out)
+	// The way back is the first run's starting point, whatever was killed in between.
+	if !strings.Contains(string(out), "SET offset_acked = 0, last_processed_transaction_id = '0'") ||
+		!strings.Contains(string(out), fmt.Sprintf("over every run: %d messages", total)) {
+		t.Fatalf("rerun does not report the first run's start and the total:\n%s", out)
+	}
 	var rows, distinct int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id) FROM `+db.Table("outbox")).Scan(&rows, &distinct); err != nil {
 		t.Fatal(err)

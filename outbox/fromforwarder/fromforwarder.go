@@ -36,6 +36,7 @@ import (
 
 	"github.com/onceflow/onceflow/internal/config"
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/sqltx"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -113,8 +114,9 @@ type Config struct {
 	// Force skips the check for a running forwarder (ErrForwarderRunning).
 	Force bool
 	// CheckWindow is how long Move watches the table's scan counters for a polling forwarder
-	// before it starts. Default 5 s: several polls of a forwarder at watermill-sql's default
-	// PollInterval (1 s), and PostgreSQL publishes a session's counters at least every second.
+	// (two scans or more) before it starts. Default 5 s: several polls of a forwarder at
+	// watermill-sql's default PollInterval (1 s); PostgreSQL publishes a session's counters
+	// about every second. Make it at least three times a longer PollInterval.
 	CheckWindow time.Duration
 	// WaitOpenTransactions is how long Move waits, once the visible rows are moved, for
 	// transactions that were already open when it started (they may still commit rows into
@@ -135,8 +137,12 @@ type Result struct {
 	HeldBack int
 	FirstID  string // Watermill UUID of the first moved message
 	LastID   string // and of the last
-	// Start is the forwarder's position before the first batch (default adapter): the
-	// statement in RollbackSQL puts it back.
+	// TotalMoved counts the rows moved from this table by every run so far, this one
+	// included (the forwarder_move bookkeeping table, migration 0010).
+	TotalMoved int64
+	// Start is the forwarder's position before the first row was moved, by the first run
+	// (recorded in forwarder_move, so a rerun after a crash reports the same): the
+	// statement in RollbackSQL puts it back. Queue adapter: Offset is the first moved row's.
 	Start Position
 	// End is the position after the last batch.
 	End Position
@@ -200,6 +206,8 @@ type mover struct {
 	tableName, offsName string // unquoted last parts
 	writer              *outbox.Writer
 	log                 *slog.Logger
+	// source names the moved table in forwarder_move; book is that table.
+	source, book string
 }
 
 func newMover(cfg Config) (*mover, error) {
@@ -262,6 +270,8 @@ func newMover(cfg Config) (*mover, error) {
 		return nil, err
 	}
 	m.cfg = cfg
+	m.source = cfg.Adapter + " " + m.table + " " + cfg.ConsumerGroup
+	m.book = pgsql.Table(cfg.Schema, "forwarder_move")
 	return m, nil
 }
 
@@ -315,8 +325,8 @@ func Move(ctx context.Context, pool *pgxpool.Pool, cfg Config) (Result, error) {
 	return m.run(ctx, pool)
 }
 
-func (m *mover) run(ctx context.Context, pool *pgxpool.Pool) (Result, error) {
-	res := Result{Topics: map[string]int{}}
+func (m *mover) run(ctx context.Context, pool *pgxpool.Pool) (res Result, _ error) {
+	res = Result{Topics: map[string]int{}}
 	if !m.cfg.Force {
 		if err := m.checkActivity(ctx, pool); err != nil {
 			return res, err
@@ -329,21 +339,39 @@ func (m *mover) run(ctx context.Context, pool *pgxpool.Pool) (Result, error) {
 	if err := pool.QueryRow(ctx, `SELECT pg_snapshot_xmax(pg_current_snapshot())::text, now()`).Scan(&horizon, &started); err != nil {
 		return res, fmt.Errorf("fromforwarder: %w", err)
 	}
+	var after Position // dry run: where the next read starts
 	if m.cfg.Adapter == AdapterDefault {
 		pos, err := m.position(ctx, pool)
 		if err != nil {
 			return res, err
 		}
-		res.Start, res.End = pos, pos
-		res.RollbackSQL = fmt.Sprintf(`UPDATE %s SET offset_acked = %d, last_processed_transaction_id = '%s' WHERE consumer_group = %s;`,
-			m.offsets, pos.Offset, pos.TransactionID, quoteLiteral(m.cfg.ConsumerGroup))
+		after, res.End = pos, pos
 	}
+	// The first run's starting point is kept in forwarder_move; later runs report it.
+	if !m.cfg.DryRun {
+		if _, err := pool.Exec(ctx, `INSERT INTO `+m.book+` (source, start_transaction_id, start_offset) VALUES ($1, $2, $3)
+			ON CONFLICT (source) DO NOTHING`, m.source, after.TransactionID, after.Offset); err != nil {
+			return res, m.explain(err)
+		}
+	}
+	switch err := pool.QueryRow(ctx, `SELECT start_transaction_id, start_offset, moved FROM `+m.book+` WHERE source = $1`, m.source).
+		Scan(&res.Start.TransactionID, &res.Start.Offset, &res.TotalMoved); {
+	case errors.Is(err, pgx.ErrNoRows): // a dry run before any move
+		res.Start = after
+	case err != nil:
+		return res, m.explain(err)
+	}
+	defer func() { res.RollbackSQL = m.rollbackSQL(res) }()
 	keys := map[string]struct{}{}
 	var deadline time.Time
-	var after Position // dry run: where the next read starts
-	after = res.Start
-	for {
+	for retries := 0; ; {
 		n, err := m.batch(ctx, pool, &res, keys, &after)
+		if sqltx.SQLState(err) == "40001" && retries < 10 {
+			// A forwarder (started despite the check) committed an ack on the offset row
+			// this batch waited for: read again from its new position.
+			retries++
+			continue
+		}
 		if err != nil {
 			res.Keys = len(keys)
 			return res, err
@@ -380,11 +408,21 @@ func (m *mover) run(ctx context.Context, pool *pgxpool.Pool) (Result, error) {
 		}
 	}
 	res.Keys = len(keys)
-	if m.cfg.Adapter == AdapterQueue && !m.cfg.Delete && res.Moved > 0 {
-		res.RollbackSQL = fmt.Sprintf(`-- un-ack the moved rows (first and last moved: uuid %s .. %s); check the range first
-UPDATE %s SET acked = false WHERE acked AND "offset" BETWEEN %d AND %d;`, res.FirstID, res.LastID, m.table, res.Start.Offset, res.End.Offset)
-	}
 	return res, nil
+}
+
+// rollbackSQL is the statement that hands the moved rows back to the forwarder.
+func (m *mover) rollbackSQL(res Result) string {
+	switch {
+	case m.cfg.Adapter == AdapterDefault:
+		return fmt.Sprintf(`UPDATE %s SET offset_acked = %d, last_processed_transaction_id = '%s' WHERE consumer_group = %s;`,
+			m.offsets, res.Start.Offset, res.Start.TransactionID, quoteLiteral(m.cfg.ConsumerGroup))
+	case m.cfg.Delete || res.TotalMoved == 0:
+		return "" // deleted rows cannot be handed back
+	default:
+		return fmt.Sprintf(`UPDATE %s SET acked = false WHERE acked AND "offset" >= %d; -- the moved rows (and any the forwarder acked after them)`,
+			m.table, res.Start.Offset)
+	}
 }
 
 func quoteLiteral(s string) string { return `'` + strings.ReplaceAll(s, `'`, `''`) + `'` }
@@ -498,17 +536,26 @@ func (m *mover) batch(ctx context.Context, pool *pgxpool.Pool, res *Result, keys
 		if err != nil {
 			return 0, m.explain(err)
 		}
+		if _, err := tx.Exec(ctx, `UPDATE `+m.book+` SET moved = moved + $2,
+			start_offset = CASE WHEN moved = 0 AND $3 THEN $4 ELSE start_offset END,
+			first_event_id = coalesce(first_event_id, $5::uuid), last_event_id = $6::uuid, updated_at = now()
+			WHERE source = $1`, m.source, len(batch), m.cfg.Adapter == AdapterQueue, batch[0].offset, msgs[0].UUID, msgs[len(msgs)-1].UUID); err != nil {
+			return 0, m.explain(err)
+		}
 		if err := tx.Commit(ctx); err != nil {
 			return 0, fmt.Errorf("fromforwarder: commit: %w", err)
 		}
 	}
 	if res.Moved == 0 {
 		res.FirstID = msgs[0].UUID
-		if m.cfg.Adapter == AdapterQueue {
-			res.Start.Offset = batch[0].offset
-		}
+	}
+	if res.TotalMoved == 0 && m.cfg.Adapter == AdapterQueue {
+		res.Start.Offset = batch[0].offset
 	}
 	res.Moved += len(batch)
+	if !m.cfg.DryRun {
+		res.TotalMoved += int64(len(batch))
+	}
 	res.Batches++
 	res.LastID = msgs[len(msgs)-1].UUID
 	*after = Position{TransactionID: last.txid, Offset: last.offset}
@@ -552,7 +599,10 @@ func (m *mover) checkActivity(ctx context.Context, pool *pgxpool.Pool) error {
 		if err != nil {
 			return err
 		}
-		if after > before {
+		// Two scans at least: one can be a session that ended just before the window (a dry
+		// run: a backend publishes its counters when it exits), a polling forwarder scans at
+		// every poll.
+		if after-before >= 2 {
 			found = append(found, fmt.Sprintf("%s was scanned %d times in the last %s (a polling subscriber)", watched, after-before, m.cfg.CheckWindow))
 		}
 		more, err := m.sessions(ctx, pool, pattern)

@@ -180,6 +180,19 @@ func TestMoveQueueAdapter(t *testing.T) {
 			if left != wantLeft || acked != wantAcked || len(outboxRows(t, db)) != 3 {
 				t.Fatalf("table %d rows (%d acked), outbox %d; want %d (%d), 3", left, acked, len(outboxRows(t, db)), wantLeft, wantAcked)
 			}
+			// The operator fixes the row and runs again: the rest moves, the bookkeeping
+			// adds up over both runs and keeps the first run's start.
+			if _, err := db.Pool.Exec(ctx, `UPDATE `+table+` SET payload = $1 WHERE payload::text LIKE '%not%'`,
+				envelope(t, "orders", uuid.NewString(), "", `{"fixed":true}`)); err != nil {
+				t.Fatal(err)
+			}
+			res, err = fromforwarder.Move(ctx, db.Pool, cfg)
+			if err != nil || res.Moved != 3 || res.TotalMoved != 6 || res.Start.Offset != 3 || len(outboxRows(t, db)) != 6 {
+				t.Fatalf("rerun: %+v, %v", res, err)
+			}
+			if del != (res.RollbackSQL == "") {
+				t.Fatalf("rollback %q with delete=%v", res.RollbackSQL, del)
+			}
 		})
 	}
 }
@@ -200,5 +213,76 @@ func TestMoveConfigErrors(t *testing.T) {
 	}
 	if errors.Is(err, fromforwarder.ErrForwarderRunning) {
 		t.Fatal("a config error is not ErrForwarderRunning")
+	}
+}
+
+// A forwarder that runs anyway (the check skipped with Force) and the move never both take a
+// row: a batch waits for the forwarder's lock on the offset row, then reads on from the
+// position the forwarder committed.
+//
+// Not parallel: its open forwarder transaction holds back the cluster-wide transaction horizon
+// (pg_snapshot_xmin), behind which the other tests' moves would wait, as the forwarder does.
+func TestMoveInterlocksWithARunningForwarder(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.New(t)
+	table, offsets := db.Schema+".watermill_forwarder_topic", db.Schema+".watermill_offsets_forwarder_topic"
+	if _, err := db.Pool.Exec(ctx, fmt.Sprintf(defaultDDL, table, "JSON", offsets)); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 6 {
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO `+table+` (uuid, payload, metadata, transaction_id) VALUES ($1, $2, '{}', pg_current_xact_id())`,
+			uuid.NewString(), envelope(t, "orders", uuid.NewString(), "k", fmt.Sprintf(`{"n":%d}`, i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+offsets+` VALUES ('', 0, '0')`); err != nil {
+		t.Fatal(err)
+	}
+	// The forwarder's subscriber: it holds the offset row while it publishes two rows.
+	fwd, err := db.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = fwd.Rollback(ctx) }()
+	if _, err := fwd.Exec(ctx, `SELECT * FROM `+offsets+` WHERE consumer_group = '' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	type out struct {
+		res fromforwarder.Result
+		err error
+	}
+	done := make(chan out, 1)
+	go func() {
+		res, err := fromforwarder.Move(ctx, db.Pool, fromforwarder.Config{Schema: db.Schema, Table: table, OffsetsTable: offsets, Force: true})
+		done <- out{res, err}
+	}()
+	// Wait until the move waits for the lock, then the forwarder acks rows 1-2 and commits.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var waiting bool
+		if err := db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%FOR UPDATE%' AND datname = current_database())`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the move never waited for the forwarder's lock")
+		}
+		time.Sleep(5 * time.Millisecond) // polling pg_stat_activity: no signal for a lock wait
+	}
+	if _, err := fwd.Exec(ctx, `UPDATE `+offsets+` SET (offset_acked, last_processed_transaction_id) =
+		(SELECT "offset", transaction_id FROM `+table+` ORDER BY transaction_id, "offset" OFFSET 1 LIMIT 1) WHERE consumer_group = ''`); err != nil {
+		t.Fatal(err)
+	}
+	if err := fwd.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	o := <-done
+	if o.err != nil || o.res.Moved != 4 || len(outboxRows(t, db)) != 4 {
+		t.Fatalf("Move = %+v, %v; want the 4 rows the forwarder did not take", o.res, o.err)
+	}
+	if p := outboxRows(t, db)[0].Payload; p != `{"n":2}` {
+		t.Fatalf("first moved row %s, want n=2", p)
 	}
 }
