@@ -9,7 +9,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/onceflow/onceflow/inbox"
@@ -68,8 +67,8 @@ func Example_databaseSQL() {
 	}
 	router.AddMiddleware(ib.Middleware)
 	router.AddConsumerHandler("loyalty", "orders.placed", broker, func(msg *message.Message) error {
-		// The same statement on the inbox's transaction: it commits with the dedup row.
-		var tx pgx.Tx = outbox.MustTx(msg.Context())
+		// The same statement on the inbox's transaction (a pgx.Tx): it commits with the dedup row.
+		tx := outbox.MustTx(msg.Context())
 		_, err := tx.Exec(msg.Context(), addPoints, "ada", 5)
 		return err
 	})

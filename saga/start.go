@@ -122,7 +122,7 @@ func (s sqlStarter) existingName(ctx context.Context, st store, id string) (stri
 	if err != nil {
 		return "", fmt.Errorf("saga: load saga %q: %w", id, st.explain(err))
 	}
-	defer rows.Close()
+	defer func() { _ = rows.Close() }() // closed below on success; this covers the error paths
 	if !rows.Next() {
 		if err := rows.Err(); err != nil {
 			return "", fmt.Errorf("saga: load saga %q: %w", id, err)
