@@ -8,6 +8,9 @@
 //	err := outbox.WriteTx(ctx, tx, "orders", outbox.NewMessage(payload))
 //	// ... tx.Commit(ctx)
 //
+// Code written against database/sql writes into its *sql.Tx with WriteSQLTx (any PostgreSQL
+// driver; the same statement as WriteTx).
+//
 // Code written against Watermill can use a message.Publisher instead: NewTxPublisher binds one
 // to a transaction, and ContextPublisher finds the transaction in each message's context
 // (ContextWithTx), which is what a cqrs.EventBus needs.
@@ -32,6 +35,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/sqltx"
 	"github.com/onceflow/onceflow/internal/tracing"
 )
 
@@ -175,20 +179,26 @@ func WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Mess
 // invalid, nothing of the call is written and the error lists every refused message (see
 // ValidationError).
 func (w *Writer) WriteTx(ctx context.Context, tx pgx.Tx, topic string, msgs ...*message.Message) error {
+	return w.write(ctx, sqltx.Pgx(tx), topic, msgs)
+}
+
+// write runs the statement insert builds on either kind of transaction (q): the pgx path and
+// the database/sql path (WriteSQLTx) run the same SQL.
+func (w *Writer) write(ctx context.Context, q sqltx.Querier, topic string, msgs []*message.Message) error {
 	ins, err := w.insert(ctx, topic, msgs)
 	if err != nil {
 		return err
 	}
 	if !ins.check {
-		tag, err := tx.Exec(ctx, ins.sql, ins.args...)
+		n, err := q.Exec(ctx, ins.sql, ins.args...)
 		if err != nil {
 			return w.insertError(len(msgs), err)
 		}
-		return ins.inserted(tag.RowsAffected())
+		return ins.inserted(n)
 	}
 	var n int64
 	var asleep bool
-	if err := tx.QueryRow(ctx, ins.sql, ins.args...).Scan(&n, &asleep); err != nil {
+	if err := q.QueryRow(ctx, ins.sql, ins.args...).Scan(&n, &asleep); err != nil {
 		return w.insertError(len(msgs), err)
 	}
 	w.sawRelays(asleep)
@@ -316,8 +326,8 @@ func (w *Writer) insert(ctx context.Context, topic string, msgs []*message.Messa
 
 // insertError wraps a failed insert, saying what to run when the schema lacks a migration.
 func (w *Writer) insertError(n int, err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && (pgErr.Code == "42883" || pgErr.Code == "42P01" || pgErr.Code == "42703") {
+	// SQLState, not *pgconn.PgError: a database/sql driver (lib/pq) has errors of its own.
+	if code := sqltx.SQLState(err); code == "42883" || code == "42P01" || code == "42703" {
 		// undefined function, table or column: the schema is older than this library.
 		return fmt.Errorf("outbox: insert %d messages into %s.outbox: %w (the schema lacks migrations this version needs: run `onceflow migrate up --schema %s` or migrations.Up)", n, w.cfg.Schema, err, w.cfg.Schema)
 	}

@@ -2,12 +2,15 @@ package saga
 
 import (
 	"context"
+	"database/sql"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/internal/sqltx"
 	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -47,6 +50,129 @@ var ErrIDInUse = errors.New("saga: the id is in use by a saga of another definit
 // Timer deadlines set here (the first step's timeout, the saga deadline) are computed on the
 // application's clock; every later one on the database's.
 func StartTx[D any](ctx context.Context, tx pgx.Tx, def *Definition[D], data D, opts ...StartOption) (string, error) {
+	return start(ctx, pgxStarter{tx}, def, data, opts)
+}
+
+// StartSQLTx is StartTx for code written against database/sql: it starts a saga inside tx, a
+// *sql.Tx of any PostgreSQL driver (pgx's stdlib, lib/pq), with the same statements and the
+// same guarantees: the saga row, its timers and its first command commit with tx or not at
+// all, and WithID makes the start idempotent. The first command is written with
+// outbox.Writer.WriteSQLTx.
+func StartSQLTx[D any](ctx context.Context, tx *sql.Tx, def *Definition[D], data D, opts ...StartOption) (string, error) {
+	return start(ctx, sqlStarter{sqltx.Std(tx), tx}, def, data, opts)
+}
+
+// starter is what a start does with the caller's transaction; pgxStarter and sqlStarter run
+// the same statements (the store's) on a pgx.Tx and on a *sql.Tx.
+type starter interface {
+	// insert writes the new saga row; false when one with its id exists.
+	insert(ctx context.Context, st store, in *instance) (bool, error)
+	// existingName returns the definition name of the saga with id.
+	existingName(ctx context.Context, st store, id string) (string, error)
+	// save writes a new saga's timers and its first command.
+	save(ctx context.Context, st store, w *outbox.Writer, in *instance, fx *effects, deadline *timer) error
+}
+
+type pgxStarter struct{ tx pgx.Tx }
+
+func (s pgxStarter) insert(ctx context.Context, st store, in *instance) (bool, error) {
+	return st.insertTx(ctx, s.tx, in)
+}
+
+func (s pgxStarter) existingName(ctx context.Context, st store, id string) (string, error) {
+	existing, _, err := st.load(ctx, s.tx, id, false)
+	if err != nil {
+		return "", err
+	}
+	return existing.Name, nil
+}
+
+func (s pgxStarter) save(ctx context.Context, st store, w *outbox.Writer, in *instance, fx *effects, deadline *timer) error {
+	return st.saveTimersAndCommands(ctx, s.tx, w, in, fx, deadline)
+}
+
+// sqlStarter runs the store's statements through database/sql. database/sql has no batches,
+// so a new saga's timers (at most two: the first step's timeout and the deadline) are one
+// statement each instead of one round trip together.
+type sqlStarter struct {
+	q  sqltx.Querier
+	tx *sql.Tx
+}
+
+func (s sqlStarter) insert(ctx context.Context, st store, in *instance) (bool, error) {
+	steps, err := json.Marshal(in.Steps)
+	if err != nil {
+		return false, err
+	}
+	trace := in.Trace
+	if trace == nil {
+		trace = map[string]string{}
+	}
+	n, err := s.q.Exec(ctx, st.insert, in.ID, in.Name, in.Version, string(in.State), in.Step, in.Attempt, in.Budget,
+		in.Waiting, in.Data, json.RawMessage(steps), trace)
+	if err != nil {
+		return false, fmt.Errorf("saga: insert saga %q into %s.saga: %w", in.ID, st.schema, st.explain(err))
+	}
+	return n == 1, nil
+}
+
+func (s sqlStarter) existingName(ctx context.Context, st store, id string) (string, error) {
+	// The store's select, read column by column: only the name (the second column) matters.
+	rows, err := s.tx.QueryContext(ctx, st.selectOne, id)
+	if err != nil {
+		return "", fmt.Errorf("saga: load saga %q: %w", id, st.explain(err))
+	}
+	defer func() { _ = rows.Close() }() // closed below on success; this covers the error paths
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return "", fmt.Errorf("saga: load saga %q: %w", id, err)
+		}
+		return "", errNoSaga
+	}
+	cols, err := rows.Columns()
+	if err != nil {
+		return "", err
+	}
+	vals := make([]any, len(cols))
+	ptrs := make([]any, len(cols))
+	for i := range vals {
+		ptrs[i] = &vals[i]
+	}
+	if err := rows.Scan(ptrs...); err != nil {
+		return "", fmt.Errorf("saga: load saga %q: %w", id, err)
+	}
+	switch name := vals[1].(type) {
+	case string:
+		return name, rows.Close()
+	case []byte:
+		return string(name), rows.Close()
+	default:
+		return "", fmt.Errorf("saga: load saga %q: unexpected name column %T", id, vals[1])
+	}
+}
+
+func (s sqlStarter) save(ctx context.Context, st store, w *outbox.Writer, in *instance, fx *effects, deadline *timer) error {
+	var timers []*timer
+	if fx.setStep != nil {
+		timers = append(timers, fx.setStep)
+	}
+	if deadline != nil {
+		timers = append(timers, deadline)
+	}
+	for _, t := range timers {
+		if _, err := s.q.Exec(ctx, st.setTimer, in.ID, t.Kind, t.Step, string(t.Phase), t.Attempt, t.Action, t.Due); err != nil {
+			return fmt.Errorf("saga: store saga %q: %w", in.ID, st.explain(err))
+		}
+	}
+	if len(fx.commands) > 0 {
+		if err := w.WriteSQLTx(ctx, s.tx, "", fx.commands...); err != nil {
+			return fmt.Errorf("saga: write the commands of saga %q: %w", in.ID, err)
+		}
+	}
+	return nil
+}
+
+func start[D any](ctx context.Context, tx starter, def *Definition[D], data D, opts []StartOption) (string, error) {
 	if def == nil {
 		return "", errors.New("saga: StartTx with a nil definition")
 	}
@@ -86,22 +212,22 @@ func StartTx[D any](ctx context.Context, tx pgx.Tx, def *Definition[D], data D, 
 		// failed before it began.
 		return "", fmt.Errorf("saga %q: %s", def.Name(), in.Steps[0].LastError)
 	}
-	inserted, err := st.insertTx(ctx, tx, in)
+	inserted, err := tx.insert(ctx, st, in)
 	if err != nil {
 		return "", err
 	}
 	if !inserted {
-		existing, _, err := st.load(ctx, tx, o.id, false)
+		name, err := tx.existingName(ctx, st, o.id)
 		if err != nil {
 			return "", err
 		}
-		if existing.Name != def.Name() {
-			return "", fmt.Errorf("%w: saga %q is a %q, not a %q", ErrIDInUse, o.id, existing.Name, def.Name())
+		if name != def.Name() {
+			return "", fmt.Errorf("%w: saga %q is a %q, not a %q", ErrIDInUse, o.id, name, def.Name())
 		}
 		return o.id, nil
 	}
 	m.fx.cancelStep = false // nothing to cancel on a new saga
-	if err := st.saveTimersAndCommands(ctx, tx, w, in, &m.fx, deadlineTimer(def, now)); err != nil {
+	if err := tx.save(ctx, st, w, in, &m.fx, deadlineTimer(def, now)); err != nil {
 		return "", err
 	}
 	if o.metrics != nil {

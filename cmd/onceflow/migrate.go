@@ -14,12 +14,17 @@ import (
 const exitPending = 3
 
 func (c *cli) runMigrate(ctx context.Context, args []string) error {
+	if len(args) > 0 && args[0] == "from-forwarder" {
+		return c.runFromForwarder(ctx, args[1:])
+	}
 	fs := c.newFlagSet("migrate", "migrate up|status|print [flags]\n\n"+
 		"  up      apply pending migrations (safe to run from several processes at once)\n"+
 		"  status  list migrations and when each was applied; exit status 0 when every step\n"+
 		"          is applied, 3 when steps are pending (run migrate up), 1 when it could not\n"+
 		"          check (e.g. no connection), 2 on bad usage\n"+
-		"  print   write the SQL to stdout for goose, golang-migrate or atlas (needs no database)")
+		"  print   write the SQL to stdout for goose, golang-migrate or atlas (needs no database)\n"+
+		"  from-forwarder  move the pending messages of a Watermill forwarder's table into the\n"+
+		"          outbox (onceflow migrate from-forwarder -h)")
 	db := c.addDBFlags(fs)
 	if len(args) == 0 {
 		fs.Usage()
