@@ -210,6 +210,12 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 func (ib *Inbox) runEach(tx pgx.Tx, fresh []*message.Message, idx []int, h message.HandlerFunc) (produced []*message.Message, err error) {
 	for j, msg := range fresh {
 		out, err := ib.runOne(tx, msg, h)
+		if pgsql.IsTransient(err) {
+			// A deadlock, a serialization failure, a lost connection: the batch's failure,
+			// not the message's. The consumer runs the batch again without counting an
+			// attempt against the message.
+			return nil, fmt.Errorf("inbox: consumer %q: a transient database error in the handler of message %q: %w", ib.cfg.Consumer, msg.UUID, err)
+		}
 		if err != nil {
 			return nil, &MessageError{Index: idx[j], Err: err}
 		}
@@ -270,7 +276,7 @@ func (ib *Inbox) runSet(ctx context.Context, tx pgx.Tx, fresh []*message.Message
 		err = fmt.Errorf("inbox: consumer %q: %w", ib.cfg.Consumer, viewErr)
 	}
 	if err != nil {
-		if me := (*MessageError)(nil); !errors.As(err, &me) {
+		if me := (*MessageError)(nil); !errors.As(err, &me) && !pgsql.IsTransient(err) {
 			err = &MessageError{Index: -1, Err: err}
 		}
 		return nil, err
@@ -300,13 +306,18 @@ func (ib *Inbox) LogPoison(msg *message.Message, p Poison) {
 		"message_uuid", msg.UUID, "source", p.Source, "attempts", p.Attempts, "err", p.Err)
 }
 
-// SettlePoisonTx is SettlePoison in the caller's transaction.
+// SettlePoisonTx is SettlePoison in the caller's transaction. A message whose dedup key is
+// already recorded (another delivery of it committed meanwhile) gets no poison row.
 func (ib *Inbox) SettlePoisonTx(ctx context.Context, tx pgx.Tx, msg *message.Message, p Poison) error {
 	var key *string
 	if k, err := ib.key(msg); err == nil {
 		key = &k
-		if _, err := ib.ClaimTx(ctx, tx, k); err != nil {
+		claimed, err := ib.ClaimTx(ctx, tx, k)
+		if err != nil {
 			return err
+		}
+		if !claimed[0] {
+			return nil // another delivery of it committed meanwhile (a rebalance): nothing to give up
 		}
 	}
 	md, err := json.Marshal(msg.Metadata)

@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -408,6 +409,9 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 			endMessage(span, err)
 			if errors.As(err, oe) {
 				return c.index, err
+			}
+			if pgsql.IsTransient(err) { // the batch's failure, not the command's: no attempt counted
+				return 0, fmt.Errorf("saga participant %q: a transient database error in a handler: %w", p.cfg.Consumer, err)
 			}
 			if err != nil {
 				return 0, &inbox.MessageError{Index: c.index, Err: err}

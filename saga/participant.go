@@ -290,6 +290,8 @@ func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, r
 		if _, err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_step`); err != nil {
 			return fmt.Errorf("saga participant %q: roll back the handler's writes: %w", p.cfg.Consumer, err)
 		}
+	case pgsql.IsTransient(runErr):
+		return runErr // a deadlock, a lost connection: rolled back and redelivered, no try counted
 	case runErr != nil:
 		return &handlerError{runErr} // everything rolls back; handle tries again
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/inbox"
@@ -433,5 +434,27 @@ func TestBatchConfigReportsEveryProblem(t *testing.T) {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("error lacks %q:\n%v", want, err)
 		}
+	}
+}
+
+// A handler failing with a deadlock (a transient database error) more often than
+// MaxAttempts: the batch is retried without counting attempts, and the message is applied,
+// not poisoned.
+func TestBatchConsumerDoesNotPoisonOnTransientErrors(t *testing.T) {
+	t.Parallel()
+	f := newBatchFixture(t, 1)
+	msgs := f.produce(20, 2)
+	var deadlocks atomic.Int64
+	p := f.ib.Batch("", func(msg *message.Message) ([]*message.Message, error) {
+		if msg.UUID == msgs[7].uuid && deadlocks.Add(1) <= 4 {
+			return nil, fmt.Errorf("update ledger: %w", &pgconn.PgError{Code: "40P01", Message: "deadlock detected"})
+		}
+		return nil, f.effect(msg)
+	})
+	f.start(kafkatest.Topic("g"), p, func(c *inboxkafka.BatchConfig) { c.MaxAttempts = 2 })
+	f.waitEffects(20)
+	f.checkOnceInOrder(msgs)
+	if n := f.count(`SELECT count(*) FROM ` + f.db.Table("inbox_poison")); n != 0 {
+		t.Fatalf("%d messages poisoned by deadlocks", n)
 	}
 }
