@@ -188,7 +188,7 @@ func NewBatchConsumer(cfg BatchConfig) (*BatchConsumer, error) {
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		// A paused partition that is resumed joins the next fetch, after the one in flight:
 		// bound that wait (franz-go's default is 5 s; sarama's 500 ms).
-		kgo.FetchMaxWait(500*time.Millisecond),
+		kgo.FetchMaxWait(500 * time.Millisecond),
 		// Only offsets marked after their transaction committed are committed.
 		kgo.AutoCommitMarks(),
 		kgo.AutoCommitInterval(AutoCommitInterval),
