@@ -23,6 +23,7 @@ import (
 )
 
 // batchBenchConfig is the batched consumer's configuration in both batch rows: the defaults,
+// with one worker per partition (the router's baseline also handles every partition at once),
 // unless BENCH_BATCH_WORKERS or BENCH_BATCH_MAX set Workers or MaxBatch (for investigating a
 // figure without editing the program).
 func batchBenchConfig(e *env, topic string, p inbox.BatchProcessor) inboxkafka.BatchConfig {
@@ -31,6 +32,7 @@ func batchBenchConfig(e *env, topic string, p inbox.BatchProcessor) inboxkafka.B
 		Group:     fmt.Sprintf("bench-batch-%d", time.Now().UnixNano()),
 		Topics:    []string{topic},
 		Processor: p,
+		Workers:   inboxBenchPartitions,
 		Logger:    e.log,
 	}
 	if n, err := strconv.Atoi(os.Getenv("BENCH_BATCH_WORKERS")); err == nil {
