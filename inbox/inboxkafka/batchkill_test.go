@@ -31,7 +31,7 @@ import (
 
 // childEnv makes this test binary a batched consumer process (childMain); CHILD_* carry its
 // settings.
-const childEnv = "ONCEFLOW_INBOXKAFKA_TEST_CHILD"
+const childEnv = "ONCEFLOW_INBOXKAFKA_BATCH_TEST_CHILD"
 
 // childMain is a consumer service on the batched consumer: each message's effect is one row.
 // CHILD_KILL says where it SIGKILLs itself:
