@@ -244,8 +244,14 @@ func CompensationProcessor[C any](p *Participant, h func(ctx context.Context, tx
 	return &stepProcessor{p: p, phase: outbox.SagaPhaseCompensation, run: compensationRun(h)}
 }
 
+// CompensationForProcessor is CompensationFor for inboxkafka.BatchConsumer.
+func CompensationForProcessor[C, R any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C, done *R) error) inbox.BatchProcessor {
+	return &stepProcessor{p: p, phase: outbox.SagaPhaseCompensation, run: compensationForRun(h)}
+}
+
 // stepRun decodes a command and runs the step's handler on it, returning the reply payload.
-type stepRun func(ctx context.Context, tx pgx.Tx, msg *message.Message) ([]byte, error)
+// actionResult is, for a compensation, the result its action kept with its barrier row.
+type stepRun func(ctx context.Context, tx pgx.Tx, msg *message.Message, actionResult []byte) ([]byte, error)
 
 type stepProcessor struct {
 	p     *Participant
@@ -359,6 +365,7 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 	// One round trip: the barrier's claims, then (actions) which compensations committed.
 	var got, seen []bool
 	var comp []string
+	results := map[string][]byte{} // action key → its result, for compensations
 	b := &pgx.Batch{}
 	if len(barrier) > 0 {
 		if err := p.ib.QueueClaimMany(b, barrier, &got); err != nil {
@@ -371,6 +378,19 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 			if err := p.ib.QueueSeenMany(b, comp, &seen); err != nil {
 				return 0, err
 			}
+		} else {
+			// What the actions returned, for those that ran (read after the claims).
+			b.Queue(p.resultSQL, p.cfg.Consumer, barrier).Query(func(rows pgx.Rows) error {
+				for rows.Next() {
+					var k string
+					var r []byte
+					if err := rows.Scan(&k, &r); err != nil {
+						return err
+					}
+					results[k] = r
+				}
+				return rows.Err()
+			})
 		}
 		if err := tx.SendBatch(ctx, b).Close(); err != nil {
 			return 0, fmt.Errorf("saga participant %q: barrier of %d commands: %w", p.cfg.Consumer, len(fresh), schemaError(p.cfg.Schema, err))
@@ -384,6 +404,8 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 		compensated[k] = seen[i]
 	}
 	var replies []*message.Message
+	var kept []string        // action keys whose handler ran
+	var keptResults [][]byte // and what they returned
 	for _, c := range fresh {
 		payload, outcome, reason := []byte("{}"), outbox.SagaOutcomeDone, ""
 		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
@@ -405,7 +427,7 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 			continue
 		default:
 			mctx, span := startMessage(p.tr, c.msg, c.ref, p.cfg.Consumer)
-			out, err := p.runHandler(mctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return run(ctx, tx, c.msg) })
+			out, err := p.runHandler(mctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return run(ctx, tx, c.msg, results[actionKey]) })
 			endMessage(span, err)
 			if errors.As(err, oe) {
 				return c.index, err
@@ -417,11 +439,25 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 				return 0, &inbox.MessageError{Index: c.index, Err: err}
 			}
 			payload = out
+			if phase == outbox.SagaPhaseAction {
+				kept = append(kept, actionKey)
+				keptResults = append(keptResults, out)
+			}
 		}
 		replies = append(replies, p.reply(c.msg, c.ref, c.replyTo, outcome, reason, payload))
 	}
+	// One round trip: the actions' results kept with their barrier rows, and every reply.
+	b = &pgx.Batch{}
+	if len(kept) > 0 {
+		b.Queue(p.keepResultSQL, p.cfg.Consumer, kept, keptResults)
+	}
 	if len(replies) > 0 {
-		if err := p.cfg.Writer.WriteTx(ctx, tx, "", replies...); err != nil {
+		if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", replies...); err != nil {
+			return 0, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), err)
+		}
+	}
+	if b.Len() > 0 {
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
 			return 0, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), schemaError(p.cfg.Schema, err))
 		}
 	}

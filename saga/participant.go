@@ -96,6 +96,8 @@ type Participant struct {
 	cfg ParticipantConfig
 	ib  *inbox.Inbox
 	tr  *tracing.Tracer // trace.go
+	// keepResultSQL stores actions' results with their barrier rows; resultSQL reads them.
+	keepResultSQL, resultSQL string
 }
 
 // NewParticipant validates cfg, reporting every problem at once (*ConfigError).
@@ -133,7 +135,11 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 	if err := config.Check("saga participant", problems...); err != nil {
 		return nil, err
 	}
-	return &Participant{cfg: cfg, ib: ib, tr: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
+	pe := pgsql.Table(cfg.Schema, "processed_event")
+	return &Participant{cfg: cfg, ib: ib, tr: tracing.New(cfg.TracerProvider, cfg.Propagator),
+		keepResultSQL: `UPDATE ` + pe + ` p SET result = u.r FROM unnest($2::text[], $3::bytea[]) AS u(k, r) WHERE p.consumer = $1 AND p.dedup_key = u.k`,
+		resultSQL:     `SELECT dedup_key, result FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
+	}, nil
 }
 
 // Action returns the Watermill handler of a step's command: it decodes the command (JSON) into
@@ -159,7 +165,7 @@ func Compensation[C any](p *Participant, h func(ctx context.Context, tx pgx.Tx, 
 }
 
 func actionRun[C, R any](h func(ctx context.Context, tx pgx.Tx, cmd C) (R, error)) stepRun {
-	return func(ctx context.Context, tx pgx.Tx, msg *message.Message) ([]byte, error) {
+	return func(ctx context.Context, tx pgx.Tx, msg *message.Message, _ []byte) ([]byte, error) {
 		var cmd C
 		if err := json.Unmarshal(msg.Payload, &cmd); err != nil {
 			return nil, Fail(fmt.Sprintf("cannot decode the command as %T: %v", cmd, err))
@@ -173,13 +179,38 @@ func actionRun[C, R any](h func(ctx context.Context, tx pgx.Tx, cmd C) (R, error
 }
 
 func compensationRun[C any](h func(ctx context.Context, tx pgx.Tx, cmd C) error) stepRun {
-	return func(ctx context.Context, tx pgx.Tx, msg *message.Message) ([]byte, error) {
+	return compensationForRun(func(ctx context.Context, tx pgx.Tx, cmd C, _ *json.RawMessage) error { return h(ctx, tx, cmd) })
+}
+
+func compensationForRun[C, R any](h func(ctx context.Context, tx pgx.Tx, cmd C, done *R) error) stepRun {
+	return func(ctx context.Context, tx pgx.Tx, msg *message.Message, actionResult []byte) ([]byte, error) {
 		var cmd C
 		if err := json.Unmarshal(msg.Payload, &cmd); err != nil {
 			return nil, Fail(fmt.Sprintf("cannot decode the compensation as %T: %v", cmd, err))
 		}
-		return []byte("{}"), h(ctx, tx, cmd)
+		var done *R
+		if actionResult != nil {
+			done = new(R)
+			if err := json.Unmarshal(actionResult, done); err != nil {
+				return nil, Fail(fmt.Sprintf("cannot decode the action's result as %T: %v", *done, err))
+			}
+		}
+		return []byte("{}"), h(ctx, tx, cmd, done)
 	}
+}
+
+// CompensationFor is Compensation for a handler that undoes what its action did from the
+// action's own result: h gets the compensation command and done, the result R the action's
+// handler returned (kept with the action's barrier row, in its transaction). Use it whenever
+// the compensation needs something only the action knows (a reservation id, a payment id):
+// when an action commits but its reply reaches the saga too late (the step timed out first,
+// so the step is compensated as uncertain), OnReply never stored it in the saga's data, and a
+// command built from that data cannot say what to undo — done can. done is nil only when the
+// action's result was not kept: it ran under an onceflow older than migration 0009, or its
+// barrier row expired with the retention window.
+func CompensationFor[C, R any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C, done *R) error) message.NoPublishHandlerFunc {
+	run := compensationForRun(h)
+	return func(msg *message.Message) error { return p.handle(msg, outbox.SagaPhaseCompensation, run) }
 }
 
 // barrierKey is the participant's record that a step's action (or compensation) took effect.
@@ -239,6 +270,7 @@ func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, r
 	// and its compensation wait for each other instead of deadlocking.
 	b := &pgx.Batch{}
 	var fresh, actionFree, compFree, compensated bool
+	var actionResult []byte
 	if err := p.ib.QueueClaim(b, key, &fresh); err != nil {
 		return err
 	}
@@ -252,6 +284,16 @@ func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, r
 		err = p.ib.QueueSeen(b, compKey, &compensated)
 	} else {
 		err = p.ib.QueueClaim(b, compKey, &compFree)
+		// What the action returned, if it ran (read after the claim, which waited for it).
+		b.Queue(p.resultSQL, p.cfg.Consumer, []string{actionKey}).Query(func(rows pgx.Rows) error {
+			for rows.Next() {
+				var k string
+				if err := rows.Scan(&k, &actionResult); err != nil {
+					return err
+				}
+			}
+			return rows.Err()
+		})
 	}
 	if err != nil {
 		return err
@@ -280,7 +322,7 @@ func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, r
 		p.skip(ref, BarrierDuplicate, "an earlier attempt compensated; its reply is on its way")
 		return commit(ctx, tx)
 	default:
-		payload, runErr = p.runHandler(ctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return run(ctx, tx, msg) })
+		payload, runErr = p.runHandler(ctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return run(ctx, tx, msg, actionResult) })
 	}
 	outcome, reason := outbox.SagaOutcomeDone, ""
 	var oe *outcomeError
@@ -295,7 +337,15 @@ func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, r
 	case runErr != nil:
 		return &handlerError{runErr} // everything rolls back; handle tries again
 	}
-	if err := p.cfg.Writer.WriteTx(ctx, tx, "", p.reply(msg, ref, replyTo, outcome, reason, payload)); err != nil {
+	// One round trip: the action's result kept with its barrier row, and the reply.
+	b = &pgx.Batch{}
+	if phase == outbox.SagaPhaseAction && outcome == outbox.SagaOutcomeDone {
+		b.Queue(p.keepResultSQL, p.cfg.Consumer, []string{actionKey}, [][]byte{payload})
+	}
+	if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", p.reply(msg, ref, replyTo, outcome, reason, payload)); err != nil {
+		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, err)
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, schemaError(p.cfg.Schema, err))
 	}
 	return commit(ctx, tx)

@@ -412,3 +412,55 @@ func TestPivotRetriedUntilSuccess(t *testing.T) {
 		t.Fatalf("metrics %+v", s)
 	}
 }
+
+// An action that commits, but whose reply reaches the saga after the step's attempts timed
+// out: the step is compensated as uncertain, with a command built from saga data that never
+// got OnReply's payment id. CompensationFor's handler gets the action's own result (kept with
+// its barrier row) and refunds exactly what the action charged.
+func TestCompensationLearnsWhatALateActionDid(t *testing.T) {
+	t.Parallel()
+	forModes(t, func(t *testing.T, batched bool) {
+		def := checkoutDef(t, func(name string, s *saga.StepDef[Checkout]) {
+			if name == "charge" {
+				s.Attempts(1, time.Millisecond).Timeout(100 * time.Millisecond)
+			}
+		})
+		w := newWorldMode(t, batched, def, "!charge") // charge's participant is wired below
+		p := w.participant("charge")
+		slow := func(ctx context.Context, tx pgx.Tx, cmd stepCmd) (stepResult, error) {
+			res, err := w.action("charge")(ctx, tx, cmd)
+			time.Sleep(300 * time.Millisecond) // commits after the step timed out
+			return res, err
+		}
+		var refunded []string
+		refund := func(ctx context.Context, tx pgx.Tx, cmd stepCmd, done *stepResult) error {
+			if done == nil {
+				return errors.New("the action's result is unknown")
+			}
+			refunded = append(refunded, done.ID+" (command: "+cmd.Order+")")
+			return w.compensation("charge")(ctx, tx, cmd)
+		}
+		if batched {
+			w.bus.SubscribeBatch("cmd.charge", saga.ActionProcessor(p, slow))
+			w.bus.SubscribeBatch("undo.charge", saga.CompensationForProcessor(p, refund))
+		} else {
+			w.bus.Subscribe("cmd.charge", saga.Action(p, slow))
+			w.bus.Subscribe("undo.charge", saga.CompensationFor(p, refund))
+		}
+		id := w.start("o-1")
+		d := w.runUntil(id, saga.StateCompensated)
+		if !d.Steps[1].Uncertain || !strings.Contains(d.Error, "timed out") {
+			t.Fatalf("charge %+v, saga error %q: want an uncertain step after a timeout", d.Steps[1], d.Error)
+		}
+		var data Checkout
+		if err := json.Unmarshal(d.Data, &data); err != nil || data.PaymentID != "" {
+			t.Fatalf("saga data %s: the late reply should not have reached OnReply", d.Data)
+		}
+		if got := strings.Join(refunded, ","); got != "charge-o-1 (command: o-1)" {
+			t.Fatalf("refunded %q, want the payment the late action made", got)
+		}
+		if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "charge/action", "charge/compensation", "reserve/compensation"}) {
+			t.Fatalf("effects %v", got)
+		}
+	})
+}

@@ -58,7 +58,7 @@ type (
 		Quantity int
 	}
 	Reserved     struct{ Reservation string }
-	ReleaseStock struct{ Reservation string }
+	ReleaseStock struct{ Order string }
 	Charge       struct {
 		Order  string
 		Amount int
@@ -81,7 +81,9 @@ var checkout = saga.MustDefine("checkout", 1, []*saga.StepDef[Order]{
 			return nil
 		}).
 		Compensate("inventory.release", func(o Order) (any, error) {
-			return ReleaseStock{Reservation: o.Reservation}, nil
+			// By order, not o.Reservation: a reply that came too late never set it. release
+			// learns the reservation from reserve's own result (saga.CompensationFor).
+			return ReleaseStock{Order: o.ID}, nil
 		}),
 	saga.Step[Order]("charge").
 		Send("payments.charge", func(o Order) (any, error) { return Charge{Order: o.ID, Amount: o.Amount}, nil }),
@@ -96,7 +98,7 @@ func reserve(ctx context.Context, tx pgx.Tx, cmd ReserveStock) (Reserved, error)
 	var left int
 	if err := tx.QueryRow(ctx, `UPDATE stock SET quantity = quantity - $2 WHERE sku = $1 RETURNING quantity`,
 		cmd.SKU, cmd.Quantity).Scan(&left); err != nil {
-		return Reserved{}, err // rolled back and redelivered
+		return Reserved{}, err // rolled back and tried again, then answered as a failed attempt
 	}
 	if left < 0 {
 		return Reserved{}, saga.Fail("out of stock") // rolled back; the saga compensates
@@ -107,10 +109,15 @@ func reserve(ctx context.Context, tx pgx.Tx, cmd ReserveStock) (Reserved, error)
 	return res, err
 }
 
-// release is its compensation; the barrier runs it only if reserve took effect.
-func release(ctx context.Context, tx pgx.Tx, cmd ReleaseStock) error {
-	_, err := tx.Exec(ctx, `WITH r AS (DELETE FROM reservation WHERE id = $1::bigint RETURNING sku, quantity)
-		UPDATE stock SET quantity = stock.quantity + r.quantity FROM r WHERE stock.sku = r.sku`, cmd.Reservation)
+// release is its compensation; the barrier runs it only if reserve took effect, and done is
+// what reserve returned (nil only once its barrier row expired: then release by order).
+func release(ctx context.Context, tx pgx.Tx, cmd ReleaseStock, done *Reserved) error {
+	which, key := `order_id = $1`, cmd.Order
+	if done != nil {
+		which, key = `id = $1::bigint`, done.Reservation
+	}
+	_, err := tx.Exec(ctx, `WITH r AS (DELETE FROM reservation WHERE `+which+` RETURNING sku, quantity)
+		UPDATE stock SET quantity = stock.quantity + r.quantity FROM r WHERE stock.sku = r.sku`, key)
 	return err
 }
 
@@ -192,7 +199,7 @@ func run(log *slog.Logger) error {
 		handle       message.NoPublishHandlerFunc
 	}{
 		{"inventory.reserve", "inventory.reserve", saga.Action(inventory, reserve)},
-		{"inventory.release", "inventory.release", saga.Compensation(inventory, release)},
+		{"inventory.release", "inventory.release", saga.CompensationFor(inventory, release)},
 		{"payments.charge", "payments.charge", saga.Action(payments, charge)},
 	}
 	for _, topic := range orch.ReplyTopics() { // "checkout.replies"
@@ -292,12 +299,11 @@ func runRelay(ctx context.Context, pool *pgxpool.Pool, brokers []string, log *sl
 	if err != nil {
 		return err
 	}
-	defer sink.Close()
 	r, err := relay.New(relay.Config{Pool: pool, Sink: sink, Logger: log})
 	if err != nil {
-		return err
+		return errors.Join(err, sink.Close())
 	}
-	return r.Run(ctx)
+	return errors.Join(r.Run(ctx), sink.Close())
 }
 
 // kafkaBrokers returns KAFKA_BROKERS, or starts an in-process Kafka (kfake) when it is unset,
