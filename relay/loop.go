@@ -37,9 +37,6 @@ func (r *Relay) loop(ctx context.Context) {
 		out := r.step(ctx)
 		if out.rows > 0 {
 			r.lastRows, r.backoff = time.Now(), r.cfg.BusyPollInterval
-			if r.asleep {
-				r.setAwake(ctx)
-			}
 		}
 		var wait time.Duration
 		switch out.next {
@@ -119,11 +116,27 @@ func (r *Relay) setAsleep(ctx context.Context) {
 
 // setAwake clears the mark, so writers stop notifying.
 func (r *Relay) setAwake(ctx context.Context) {
+	r.clearMark(ctx)
+	r.asleep = false
+}
+
+// setAwakeAsync clears the mark like setAwake, on a goroutine of its own; the relay counts
+// as awake from now on. The returned function waits until the statement finished.
+func (r *Relay) setAwakeAsync(ctx context.Context) (wait func()) {
+	r.asleep = false
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		r.clearMark(ctx)
+	}()
+	return func() { <-done }
+}
+
+func (r *Relay) clearMark(ctx context.Context) {
 	if _, err := r.execAsync(ctx, r.q.wake, r.cfg.InstanceID); err != nil && ctx.Err() == nil {
 		// Writers keep notifying until it expires with the heartbeat: slower commits, no harm.
 		r.log.Debug("relay could not clear its asleep mark", "err", err)
 	}
-	r.asleep = false
 }
 
 // execAsync runs one statement in a transaction that does not wait for the WAL flush (the
@@ -219,6 +232,15 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 	}
 	res := &result{deleted: true}
 	if len(c.msgs) > 0 {
+		if r.asleep {
+			// Woken: clear the mark now, not after the batch. The publish may wait up to the
+			// sink's delivery timeout (a stalled broker), and while the mark stands every
+			// outbox commit sends a NOTIFY and queues on PostgreSQL's commit-time notify
+			// lock. The statement runs on another connection while the batch is published,
+			// so waking adds no round trip to the first batch's latency.
+			woke := r.setAwakeAsync(ctx)
+			defer woke()
+		}
 		t1 := time.Now()
 		res = r.publish(bctx, c.msgs)
 		t2 := time.Now()
