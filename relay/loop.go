@@ -416,11 +416,17 @@ func (r *Relay) recordFailures(ctx context.Context, snap snapshot, res *result, 
 		if isParked[c.msg.ID] {
 			// The chain moves on without it: later rows of the key are no longer held.
 			r.blocked.ok(c.msg)
+			r.topics.forget(c.msg.Topic, c.msg.ID)
 			r.log.Error("relay parked a row the broker keeps refusing; later rows of its key now flow (its order is broken by design); inspect with `onceflow outbox parked`, replay with `onceflow outbox replay`",
 				"id", c.msg.ID, "event_id", c.msg.EventID, "topic", c.msg.Topic, "key", c.msg.Key, "attempts", c.msg.Attempts+1, "err", c.err)
 			continue
 		}
 		d := r.blocked.fail(c.msg, c.msg.Attempts+1, now)
+		if !c.until.IsZero() {
+			// Refused with its whole topic: retried when the topic reopens, with its other rows.
+			r.blocked.retryAt(c.msg, c.until)
+			d = c.until.Sub(now)
+		}
 		r.log.Debug("relay: broker refused a row; its key waits and retries",
 			"id", c.msg.ID, "event_id", c.msg.EventID, "topic", c.msg.Topic, "key", c.msg.Key,
 			"attempt", c.msg.Attempts+1, "max_attempts", r.cfg.MaxAttempts, "retry_in", d.Round(time.Millisecond), "err", c.err)
