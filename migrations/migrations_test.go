@@ -449,7 +449,7 @@ func TestOutboxHasOneBTree(t *testing.T) {
 	// A few hundred pages of rows; a role that does not own the table summarizes them through
 	// the function.
 	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.outbox (event_id, topic, key_hash, payload)
-		SELECT gen_random_uuid(), 't', i, '\x00'::bytea FROM generate_series(1, 20000) i`); err != nil {
+		SELECT gen_random_uuid(), 't', i, '\x00'::bytea FROM generate_series(1, 40000) i`); err != nil {
 		t.Fatal(err)
 	}
 	role := "relay_" + strings.ToLower(db.Schema)
@@ -475,6 +475,6 @@ func TestOutboxHasOneBTree(t *testing.T) {
 		t.Fatal(err)
 	}
 	if complete < 10 || next != complete || sweep != 8 {
-		t.Fatalf("outbox_summarize(0, 0) = %d, %d, %d; want every complete range of the 20,000 rows summarized and the sweep moved on by 8", next, complete, sweep)
+		t.Fatalf("outbox_summarize(0, 0) = %d, %d, %d; want every complete range of the 40,000 rows summarized and the sweep moved on by 8", next, complete, sweep)
 	}
 }

@@ -130,12 +130,15 @@ func (q *queries) lateSQL(s snapshot, shards int, c cursor) (string, []any) {
 	pos, xmaxArg, xipArg := a.add(c.pos), a.add(xmax), a.add(xip)
 	shard := a.shardFilter(s, shards)
 	const tx = `(tx::text)::bigint` // the expression outbox_tx_brin indexes
-	// OFFSET 0 keeps the planner from turning min(id) into a walk of the primary key.
+	// Only the BRIN index may serve this: `id + 0` keeps the planner from reading the primary
+	// key up to the cursor instead (every row and dead entry below it; a generic plan, which
+	// cannot see how few rows the tx range holds, may well prefer that), and OFFSET 0 from
+	// turning min(id) into such a walk.
 	return `SELECT set_config('` + lateVar + `', coalesce((SELECT min(id) FROM (
 			SELECT id FROM ` + q.outbox + `
 			WHERE (` + tx + ` >= ` + xmaxArg + `::text::bigint AND ` + tx + ` < (pg_snapshot_xmax(pg_current_snapshot())::text)::bigint
 				OR ` + tx + ` = ANY(` + xipArg + `::text[]::bigint[]))
-			AND id <= ` + pos + shard + `
+			AND id + 0 <= ` + pos + shard + `
 			OFFSET 0) late)::text, ''), true)`, a.args
 }
 

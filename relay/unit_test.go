@@ -125,7 +125,7 @@ func TestClaimSQL(t *testing.T) {
 	}
 	late, args = q.lateSQL(some, 8, cursor{pos: 42, ref: "10:12:10,11"})
 	for _, want := range []string{
-		`(tx::text)::bigint >= $2::text::bigint`, `(tx::text)::bigint = ANY($3::text[]::bigint[])`, `id <= $1 AND key_hash % $4 = ANY($5::int[])`, `OFFSET 0`,
+		`(tx::text)::bigint >= $2::text::bigint`, `(tx::text)::bigint = ANY($3::text[]::bigint[])`, `id + 0 <= $1 AND key_hash % $4 = ANY($5::int[])`, `OFFSET 0`,
 	} {
 		if !strings.Contains(late, want) {
 			t.Errorf("late-commit SQL lacks %q:\n%s", want, late)

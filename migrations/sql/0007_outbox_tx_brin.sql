@@ -5,13 +5,13 @@
 -- and outbox_tx_idx (tx, id), which the relay used to find rows committed late below its
 -- cursor (measured with 16 writers: the outbox row at 0.63–0.68× a bare transaction, one more
 -- plain INSERT at 0.74–0.91×). A BRIN index keeps one summary (the lowest and highest tx) per
--- range of 8 heap pages; inserting into a range that is not summarized yet — the end of the
+-- range of 32 heap pages; inserting into a range that is not summarized yet — the end of the
 -- table, where new rows go — costs nothing. The relay summarizes complete ranges itself
 -- (outbox_summarize, below), so the unsummarized tail its lookups must read stays short.
 --
 -- xid8 has no BRIN operator class; its text form is the 64-bit transaction id (epoch and
 -- xid), which fits a bigint, and the conversion is immutable.
-CREATE INDEX IF NOT EXISTS outbox_tx_brin ON {{schema}}.outbox USING brin (((tx::text)::bigint)) WITH (pages_per_range = 8);
+CREATE INDEX IF NOT EXISTS outbox_tx_brin ON {{schema}}.outbox USING brin (((tx::text)::bigint)) WITH (pages_per_range = 32);
 -- Relays of an earlier release look late commits up through this index: upgrade them together
 -- with this step (without it their lookup walks the primary key up to their cursor).
 DROP INDEX IF EXISTS {{schema}}.outbox_tx_idx;
@@ -28,7 +28,7 @@ CREATE OR REPLACE FUNCTION {{schema}}.outbox_summarize(from_range bigint, sweep 
     LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     idx constant regclass := '{{schema}}.outbox_tx_brin';
-    ppr constant bigint := 8; -- pages_per_range above
+    ppr constant bigint := 32; -- pages_per_range above
     r bigint;
 BEGIN
     complete := pg_relation_size('{{schema}}.outbox') / current_setting('block_size')::bigint / ppr;
