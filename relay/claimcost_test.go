@@ -6,6 +6,8 @@ import (
 	"errors"
 	"hash/fnv"
 	"log/slog"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -59,7 +61,9 @@ func keysIn(n int, in func(shard int) bool) (keys []string, hashes []int64) {
 }
 
 // claimBuffers is the number of shared buffers a cursor claim touches: the late-commit lookup
-// and the claim, each under the planner settings the relay runs it with.
+// and the claim, each under the planner settings the relay runs it with and with a generic
+// plan, which is what the relay's prepared statements get after five executions (a plan made
+// without the parameters' values must not walk the table either).
 func claimBuffers(t *testing.T, db *testdb.DB, r *Relay, snap snapshot, cur cursor, blocked blockedSet) int {
 	t.Helper()
 	ctx := context.Background()
@@ -68,9 +72,20 @@ func claimBuffers(t *testing.T, db *testdb.DB, r *Relay, snap snapshot, cur curs
 		t.Fatal(err)
 	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	explain := func(sql string, args []any) int {
+	if _, err := tx.Exec(ctx, `SET LOCAL plan_cache_mode = force_generic_plan`); err != nil {
+		t.Fatal(err)
+	}
+	explain := func(name, sql string, args []any) int {
+		if _, err := tx.Exec(ctx, "PREPARE "+name+" AS "+sql); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _, _ = tx.Exec(ctx, "DEALLOCATE "+name) }() // prepared statements outlive the transaction
+		lits := make([]string, len(args))
+		for i, a := range args {
+			lits[i] = sqlLiteral(t, a)
+		}
 		var plan string
-		if err := tx.QueryRow(ctx, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+sql, args...).Scan(&plan); err != nil {
+		if err := tx.QueryRow(ctx, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE "+name+"("+strings.Join(lits, ", ")+")").Scan(&plan); err != nil {
 			t.Fatal(err)
 		}
 		var out []struct {
@@ -88,12 +103,48 @@ func claimBuffers(t *testing.T, db *testdb.DB, r *Relay, snap snapshot, cur curs
 		t.Fatal(err)
 	}
 	late, lateArgs := r.q.lateSQL(snap, r.cfg.Shards, cur)
-	n := explain(late, lateArgs)
+	n := explain("late_probe", late, lateArgs)
 	if _, err := tx.Exec(ctx, planSettings); err != nil {
 		t.Fatal(err)
 	}
 	sql, args := r.q.nextSQL(snap, r.cfg.Shards, cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
-	return n + explain(sql, args)
+	return n + explain("claim_probe", sql, args)
+}
+
+// sqlLiteral writes a claim argument as an SQL literal, for EXECUTE.
+func sqlLiteral(t *testing.T, v any) string {
+	t.Helper()
+	quote := func(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+	switch v := v.(type) {
+	case nil:
+		return "NULL"
+	case int:
+		return strconv.Itoa(v)
+	case int64:
+		return strconv.FormatInt(v, 10)
+	case string:
+		return quote(v)
+	case []string:
+		q := make([]string, len(v))
+		for i, s := range v {
+			q[i] = quote(s)
+		}
+		return "ARRAY[" + strings.Join(q, ", ") + "]::text[]"
+	case []int:
+		q := make([]string, len(v))
+		for i, n := range v {
+			q[i] = strconv.Itoa(n)
+		}
+		return "ARRAY[" + strings.Join(q, ", ") + "]::int[]"
+	case []int64:
+		q := make([]string, len(v))
+		for i, n := range v {
+			q[i] = strconv.FormatInt(n, 10)
+		}
+		return "ARRAY[" + strings.Join(q, ", ") + "]::bigint[]"
+	}
+	t.Fatalf("no literal for %T", v)
+	return ""
 }
 
 // TestClaimCostIndependentOfBacklog drives the publishing loop by hand on an outbox where
