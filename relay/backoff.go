@@ -100,6 +100,13 @@ func (b *blockList) holdUntil(m *Message, until time.Time) {
 	}
 }
 
+// retryAt makes the tracked chain of m due exactly at until (its topic's reopening).
+func (b *blockList) retryAt(m *Message, until time.Time) {
+	if e, ok := b.entries[m.blockKey]; ok {
+		e.until = until
+	}
+}
+
 // lowerFloor makes a tracked chain start at id at the latest (untracked chains are left
 // alone: their rows come through cursor claims).
 func (b *blockList) lowerFloor(blockKey string, id int64) {

@@ -6,8 +6,12 @@ import (
 	"errors"
 	"hash/fnv"
 	"log/slog"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/testdb"
 )
@@ -56,23 +60,91 @@ func keysIn(n int, in func(shard int) bool) (keys []string, hashes []int64) {
 	return keys, hashes
 }
 
-// claimBuffers is the number of shared buffers the claim query touches.
-func claimBuffers(t *testing.T, db *testdb.DB, sql string, args []any) int {
+// claimBuffers is the number of shared buffers a cursor claim touches: the late-commit lookup
+// and the claim, each under the planner settings the relay runs it with and with a generic
+// plan, which is what the relay's prepared statements get after five executions (a plan made
+// without the parameters' values must not walk the table either).
+func claimBuffers(t *testing.T, db *testdb.DB, r *Relay, snap snapshot, cur cursor, blocked blockedSet) int {
 	t.Helper()
-	var plan string
-	if err := db.Pool.QueryRow(context.Background(), "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "+sql, args...).Scan(&plan); err != nil {
+	ctx := context.Background()
+	tx, err := db.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
 		t.Fatal(err)
 	}
-	var out []struct {
-		Plan struct {
-			Hit  int `json:"Shared Hit Blocks"`
-			Read int `json:"Shared Read Blocks"`
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, `SET LOCAL plan_cache_mode = force_generic_plan`); err != nil {
+		t.Fatal(err)
+	}
+	explain := func(name, sql string, args []any) int {
+		if _, err := tx.Exec(ctx, "PREPARE "+name+" AS "+sql); err != nil {
+			t.Fatal(err)
 		}
+		defer func() { _, _ = tx.Exec(ctx, "DEALLOCATE "+name) }() // prepared statements outlive the transaction
+		lits := make([]string, len(args))
+		for i, a := range args {
+			lits[i] = sqlLiteral(t, a)
+		}
+		var plan string
+		if err := tx.QueryRow(ctx, "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE "+name+"("+strings.Join(lits, ", ")+")").Scan(&plan); err != nil {
+			t.Fatal(err)
+		}
+		var out []struct {
+			Plan struct {
+				Hit  int `json:"Shared Hit Blocks"`
+				Read int `json:"Shared Read Blocks"`
+			}
+		}
+		if err := json.Unmarshal([]byte(plan), &out); err != nil || len(out) != 1 {
+			t.Fatalf("explain output %q: %v", plan, err)
+		}
+		return out[0].Plan.Hit + out[0].Plan.Read
 	}
-	if err := json.Unmarshal([]byte(plan), &out); err != nil || len(out) != 1 {
-		t.Fatalf("explain output %q: %v", plan, err)
+	if _, err := tx.Exec(ctx, lateSettings); err != nil {
+		t.Fatal(err)
 	}
-	return out[0].Plan.Hit + out[0].Plan.Read
+	late, lateArgs := r.q.lateSQL(snap, r.cfg.Shards, cur)
+	n := explain("late_probe", late, lateArgs)
+	if _, err := tx.Exec(ctx, planSettings); err != nil {
+		t.Fatal(err)
+	}
+	sql, args := r.q.nextSQL(snap, r.cfg.Shards, cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
+	return n + explain("claim_probe", sql, args)
+}
+
+// sqlLiteral writes a claim argument as an SQL literal, for EXECUTE.
+func sqlLiteral(t *testing.T, v any) string {
+	t.Helper()
+	quote := func(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+	switch v := v.(type) {
+	case nil:
+		return "NULL"
+	case int:
+		return strconv.Itoa(v)
+	case int64:
+		return strconv.FormatInt(v, 10)
+	case string:
+		return quote(v)
+	case []string:
+		q := make([]string, len(v))
+		for i, s := range v {
+			q[i] = quote(s)
+		}
+		return "ARRAY[" + strings.Join(q, ", ") + "]::text[]"
+	case []int:
+		q := make([]string, len(v))
+		for i, n := range v {
+			q[i] = strconv.Itoa(n)
+		}
+		return "ARRAY[" + strings.Join(q, ", ") + "]::int[]"
+	case []int64:
+		q := make([]string, len(v))
+		for i, n := range v {
+			q[i] = strconv.FormatInt(n, 10)
+		}
+		return "ARRAY[" + strings.Join(q, ", ") + "]::bigint[]"
+	}
+	t.Fatalf("no literal for %T", v)
+	return ""
 }
 
 // TestClaimCostIndependentOfBacklog drives the publishing loop by hand on an outbox where
@@ -155,10 +227,8 @@ func TestClaimCostIndependentOfBacklog(t *testing.T) {
 	if len(blocked.keys) != 1 {
 		t.Fatalf("blocked keys %v, want [blocked]", blocked.keys)
 	}
-	sql, args := r.q.nextSQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
-	cursorCost := claimBuffers(t, db, sql, args)
-	sql, args = r.q.nextSQL(snap, r.cfg.Shards, cursor{}, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
-	fromStart := claimBuffers(t, db, sql, args)
+	cursorCost := claimBuffers(t, db, r, snap, r.cur, blocked)
+	fromStart := claimBuffers(t, db, r, snap, cursor{}, blocked)
 	t.Logf("claim after the drain: %d buffers from the cursor, %d from the start of the table", cursorCost, fromStart)
 	if cursorCost > 40 || cursorCost*20 > fromStart {
 		t.Fatalf("claim from the cursor touches %d buffers (from the start: %d); want a few index pages", cursorCost, fromStart)

@@ -37,9 +37,6 @@ func (r *Relay) loop(ctx context.Context) {
 		out := r.step(ctx)
 		if out.rows > 0 {
 			r.lastRows, r.backoff = time.Now(), r.cfg.BusyPollInterval
-			if r.asleep {
-				r.setAwake(ctx)
-			}
 		}
 		var wait time.Duration
 		switch out.next {
@@ -119,11 +116,27 @@ func (r *Relay) setAsleep(ctx context.Context) {
 
 // setAwake clears the mark, so writers stop notifying.
 func (r *Relay) setAwake(ctx context.Context) {
+	r.clearMark(ctx)
+	r.asleep = false
+}
+
+// setAwakeAsync clears the mark like setAwake, on a goroutine of its own; the relay counts
+// as awake from now on. The returned function waits until the statement finished.
+func (r *Relay) setAwakeAsync(ctx context.Context) (wait func()) {
+	r.asleep = false
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		r.clearMark(ctx)
+	}()
+	return func() { <-done }
+}
+
+func (r *Relay) clearMark(ctx context.Context) {
 	if _, err := r.execAsync(ctx, r.q.wake, r.cfg.InstanceID); err != nil && ctx.Err() == nil {
 		// Writers keep notifying until it expires with the heartbeat: slower commits, no harm.
 		r.log.Debug("relay could not clear its asleep mark", "err", err)
 	}
-	r.asleep = false
 }
 
 // execAsync runs one statement in a transaction that does not wait for the WAL flush (the
@@ -197,16 +210,22 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 		kind = claimRetry
 	}
 	r.retriedLast = kind == claimRetry
-	var sql string
-	var args []any
+	var sql, late string
+	var args, lateArgs []any
 	if kind == claimRetry {
 		sql, args = r.q.retrySQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
 	} else {
+		if r.cur.ref != "" { // without a reference snapshot there are no late commits to look for
+			late, lateArgs = r.q.lateSQL(snap, r.cfg.Shards, r.cur)
+		}
 		sql, args = r.q.nextSQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
 	}
 	t0 := time.Now()
 	cctx, cancelClaim := context.WithTimeout(bctx, r.cfg.StatementTimeout)
-	c, err := r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize)
+	c, err := r.runClaim(cctx, kind, late, lateArgs, sql, args, r.cfg.BatchSize)
+	if err == nil && kind == claimNext {
+		r.summarize(cctx, c)
+	}
 	cancelClaim()
 	tClaim := time.Since(t0)
 	if err != nil {
@@ -219,6 +238,15 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 	}
 	res := &result{deleted: true}
 	if len(c.msgs) > 0 {
+		if r.asleep {
+			// Woken: clear the mark now, not after the batch. The publish may wait up to the
+			// sink's delivery timeout (a stalled broker), and while the mark stands every
+			// outbox commit sends a NOTIFY and queues on PostgreSQL's commit-time notify
+			// lock. The statement runs on another connection while the batch is published,
+			// so waking adds no round trip to the first batch's latency.
+			woke := r.setAwakeAsync(ctx)
+			defer woke()
+		}
 		t1 := time.Now()
 		res = r.publish(bctx, c.msgs)
 		t2 := time.Now()
@@ -394,11 +422,17 @@ func (r *Relay) recordFailures(ctx context.Context, snap snapshot, res *result, 
 		if isParked[c.msg.ID] {
 			// The chain moves on without it: later rows of the key are no longer held.
 			r.blocked.ok(c.msg)
+			r.topics.forget(c.msg.Topic, c.msg.ID)
 			r.log.Error("relay parked a row the broker keeps refusing; later rows of its key now flow (its order is broken by design); inspect with `onceflow outbox parked`, replay with `onceflow outbox replay`",
 				"id", c.msg.ID, "event_id", c.msg.EventID, "topic", c.msg.Topic, "key", c.msg.Key, "attempts", c.msg.Attempts+1, "err", c.err)
 			continue
 		}
 		d := r.blocked.fail(c.msg, c.msg.Attempts+1, now)
+		if !c.until.IsZero() {
+			// Refused with its whole topic: retried when the topic reopens, with its other rows.
+			r.blocked.retryAt(c.msg, c.until)
+			d = c.until.Sub(now)
+		}
 		r.log.Debug("relay: broker refused a row; its key waits and retries",
 			"id", c.msg.ID, "event_id", c.msg.EventID, "topic", c.msg.Topic, "key", c.msg.Key,
 			"attempt", c.msg.Attempts+1, "max_attempts", r.cfg.MaxAttempts, "retry_in", d.Round(time.Millisecond), "err", c.err)

@@ -26,6 +26,9 @@ type result struct {
 type culprit struct {
 	msg *Message
 	err error
+	// until, when set, is when the row's chain is tried again: the reopening of its topic,
+	// refused as a whole (topicGate), instead of a backoff of the row's own.
+	until time.Time
 }
 
 type heldMsg struct {
@@ -61,7 +64,7 @@ func (r *Relay) publish(ctx context.Context, msgs []*Message) *result {
 			flush()
 			if !failed[m.blockKey] {
 				failed[m.blockKey] = true
-				res.culprits = append(res.culprits, culprit{m, Undeliverable(m.badMetadata)})
+				res.culprits = append(res.culprits, culprit{msg: m, err: Undeliverable(m.badMetadata)})
 			}
 		case m.Attempts > 0 && !r.topics.known(m.Topic):
 			// (A row of a topic refused as a whole goes with the others: they all fail or
@@ -88,11 +91,19 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 		if failed[m.blockKey] {
 			continue
 		}
-		if until := r.topics.closedUntil(m.Topic, now); !until.IsZero() {
+		if c := r.topics.closedFor(m.Topic, now); c != nil {
 			// The broker refused the topic as a whole moments ago: do not make this batch wait
-			// for the same refusal. The chain waits until the topic may be tried again.
+			// for the same refusal. The chain waits until the topic may be tried again, and the
+			// row counts that refusal unless it already did: a row first claimed now, or one
+			// that was due when another claim probed the topic, keeps in step with the rows
+			// that were sent (see topicGate).
 			failed[m.blockKey] = true
-			res.held = append(res.held, heldMsg{m, until})
+			if c.count(m.ID) {
+				res.culprits = append(res.culprits, culprit{msg: m, err: c.err, until: c.until})
+				r.m.Failed(FailureUndeliverable, 1)
+			} else {
+				res.held = append(res.held, heldMsg{m, c.until})
+			}
 			continue
 		}
 		todo = append(todo, m)
@@ -112,6 +123,7 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 	var undelivErr []error
 	acked, transient := 0, 0
 	refusedTopics := map[string]error{}
+	topicCulprits := map[string][]int{} // topic → indexes in res.culprits
 	for i, m := range todo {
 		err := errs[i]
 		topic, topicRefused := topicOf(err)
@@ -121,7 +133,8 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 			// for the same reason. The first row of each chain is charged an attempt.
 			refusedTopics[topic] = err
 			if !failed[m.blockKey] && !abandoned {
-				res.culprits = append(res.culprits, culprit{m, err})
+				topicCulprits[topic] = append(topicCulprits[topic], len(res.culprits))
+				res.culprits = append(res.culprits, culprit{msg: m, err: err})
 				r.m.Failed(FailureUndeliverable, 1)
 				r.flog.add(m, err, true, time.Now())
 			}
@@ -155,7 +168,11 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 		}
 	}
 	for topic, err := range refusedTopics {
-		r.topics.refused(topic, err, time.Now())
+		c := r.topics.refused(topic, err, time.Now())
+		for _, i := range topicCulprits[topic] {
+			c.count(res.culprits[i].msg.ID)
+			res.culprits[i].until = c.until
+		}
 	}
 	if acked > 0 {
 		r.m.Published(acked, took)
@@ -170,7 +187,7 @@ func (r *Relay) send(ctx context.Context, msgs []*Message, failed map[string]boo
 	if len(undeliv) == 1 || len(todo) == 1 {
 		for i, m := range undeliv {
 			failed[m.blockKey] = true
-			res.culprits = append(res.culprits, culprit{m, undelivErr[i]})
+			res.culprits = append(res.culprits, culprit{msg: m, err: undelivErr[i]})
 			r.m.Failed(FailureUndeliverable, 1)
 			r.flog.add(m, undelivErr[i], true, time.Now())
 		}

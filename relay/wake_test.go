@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/relay/relaykafka"
 )
@@ -141,5 +142,90 @@ func TestIdleCost(t *testing.T) {
 	t.Logf("idle relay: %.2f database round trips per second", perSecond)
 	if perSecond > 2 {
 		t.Fatalf("idle relay makes %.2f round trips per second, want about one (≤ 2)", perSecond)
+	}
+}
+
+// blockingSink holds every Publish call until released (or the batch is cancelled), as a
+// stalled broker does until the producer's delivery timeout; then it acknowledges everything.
+type blockingSink struct {
+	entered chan struct{} // one value per Publish call, sent when it starts waiting
+	release chan struct{} // closed to let every call through
+}
+
+func (s *blockingSink) Publish(ctx context.Context, msgs []*relay.Message, errs []error) {
+	select {
+	case s.entered <- struct{}{}:
+	default:
+	}
+	select {
+	case <-s.release:
+	case <-ctx.Done():
+		for i := range errs {
+			errs[i] = ctx.Err()
+		}
+	}
+}
+
+func (s *blockingSink) Close() error { return nil }
+
+// TestWokenRelayClearsItsAsleepMarkBeforePublishing: a relay woken from sleep clears its
+// asleep mark as soon as it found rows, not when its first batch is acknowledged. While that
+// batch waits on a stalled broker, writers must not go on sending a NOTIFY with every commit
+// (each takes PostgreSQL's cluster-wide notify lock at commit, serialising the writers).
+func TestWokenRelayClearsItsAsleepMarkBeforePublishing(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	sink := &blockingSink{entered: make(chan struct{}, 1), release: make(chan struct{})}
+	rec := newRecorder()
+	r, err := relay.New(relay.Config{Schema: db.Schema, Pool: db.Pool, Sink: sink, Metrics: rec, Logger: testLogger(t), StatsInterval: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := startRelay(t, r)
+	defer stop()
+	defer close(sink.release) // runs before stop: the batch in flight completes
+	rec.waitFor(t, 30*time.Second, "shards owned", func(r *recorder) bool { return r.owned > 0 })
+	eventually(t, 30*time.Second, "the relay to sleep", func() bool { return asleep(t, db) })
+
+	listener, err := pgx.Connect(ctx, db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = listener.Close(ctx) }()
+	if _, err := listener.Exec(ctx, "LISTEN "+pgx.Identifier{outbox.NotifyChannel(db.Schema)}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+
+	writeEvents(t, db, "stalled", 1, 1, 1) // notifies the sleeping relay, which wakes and publishes
+	select {
+	case <-sink.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the woken relay never published")
+	}
+	// Drain the wake-up notification itself.
+	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	_, err = listener.WaitForNotification(wctx)
+	cancel()
+	if err != nil {
+		t.Fatalf("the first write did not notify the sleeping relay: %v", err)
+	}
+	eventually(t, 5*time.Second, "the asleep mark to clear while the batch is in flight", func() bool { return !asleep(t, db) })
+
+	// The batch is still stuck in the sink; commits made now must not notify.
+	const commits = 30
+	writeEventsPrefix(t, db, "stalled", commits, commits, 1, "during-")
+	notified := 0
+	for {
+		short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		_, err := listener.WaitForNotification(short)
+		cancel()
+		if err != nil {
+			break
+		}
+		notified++
+	}
+	if notified > 0 {
+		t.Fatalf("%d of %d commits sent a NOTIFY while the woken relay's first batch was in flight, want 0", notified, commits)
 	}
 }
