@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -155,7 +156,7 @@ func runSagaBench(ctx context.Context, e *env, batched bool) (sagaFigures, error
 	if batched {
 		consume := func(group string, p inbox.BatchProcessor, topics ...string) error {
 			c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: brokers, Group: group, Topics: topics, Processor: p,
-				Workers: sagaBenchPartitions, Logger: e.log})
+				Logger: e.log})
 			if err == nil {
 				runs = append(runs, c.Run)
 			}
@@ -282,6 +283,7 @@ func runSagaBench(ctx context.Context, e *env, batched bool) (sagaFigures, error
 		}()
 	}
 	wwg.Wait()
+	fmt.Fprintf(os.Stderr, "  %s: %d sagas started in %s\n", map[bool]string{false: "per-message", true: "batched"}[batched], sagaBenchSagas, time.Since(began).Round(time.Millisecond))
 	close(werrs)
 	if err := <-werrs; err != nil {
 		return fig, errors.Join(err, stop())
