@@ -1,13 +1,10 @@
 package inbox_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strings"
 	"sync"
@@ -119,47 +116,16 @@ func childMain(string) int {
 	return 0
 }
 
-// child is a running consumer process.
+// child is a running consumer process and the lines it printed.
 type child struct {
-	cmd    *exec.Cmd
-	lines  chan string
-	stderr *testutil.SyncBuffer
-	exited chan struct{}
+	*testutil.Child
+	lines chan string
 }
 
 func startChild(t *testing.T, env []string) *child {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(append(os.Environ(), childEnv+"=consumer"), env...)
-	// An io.Pipe rather than StdoutPipe: Wait then finishes copying before it returns, so no
-	// line printed just before a SIGKILL is lost.
-	stdout, pw := io.Pipe()
-	cmd.Stdout = pw
-	c := &child{cmd: cmd, lines: make(chan string, 100), stderr: &testutil.SyncBuffer{}, exited: make(chan struct{})}
-	cmd.Stderr = c.stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			c.lines <- sc.Text()
-		}
-		close(c.lines)
-	}()
-	go func() { _ = cmd.Wait(); pw.Close(); close(c.exited) }()
-	t.Cleanup(func() {
-		select {
-		case <-c.exited:
-		default:
-			_ = cmd.Process.Kill() // only the process this test started
-			<-c.exited
-		}
-	})
+	c := &child{lines: make(chan string, 100)}
+	c.Child = testutil.StartChild(t, append([]string{childEnv + "=consumer"}, env...), func(line string) { c.lines <- line })
 	return c
 }
 
@@ -170,35 +136,24 @@ func (c *child) await(t *testing.T, prefix string) string {
 	deadline := time.After(2 * time.Minute)
 	for {
 		select {
-		case line, ok := <-c.lines:
-			if !ok {
-				t.Fatalf("child exited before printing %q; stderr:\n%s", prefix, c.stderrText())
-			}
+		case line := <-c.lines:
 			if strings.HasPrefix(line, prefix) {
 				return line
 			}
+		case <-c.Exited:
+			select {
+			case line := <-c.lines: // printed before it exited
+				if strings.HasPrefix(line, prefix) {
+					return line
+				}
+				continue
+			default:
+			}
+			t.Fatalf("child exited before printing %q; stderr:\n%s", prefix, c.Stderr.String())
 		case <-deadline:
-			t.Fatalf("no %q from the child; stderr:\n%s", prefix, c.stderrText())
+			t.Fatalf("no %q from the child; stderr:\n%s", prefix, c.Stderr.String())
 		}
 	}
-}
-
-func (c *child) waitExit(t *testing.T) {
-	t.Helper()
-	select {
-	case <-c.exited:
-	case <-time.After(2 * time.Minute):
-		t.Fatalf("child did not exit; stderr:\n%s", c.stderrText())
-	}
-}
-
-func (c *child) killedBySIGKILL() bool {
-	ws, ok := c.cmd.ProcessState.Sys().(syscall.WaitStatus)
-	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
-}
-
-func (c *child) stderrText() string {
-	return c.stderr.String()
 }
 
 // End to end on the Kafka protocol (kfake) with watermill-kafka: a consumer process killed
@@ -237,9 +192,9 @@ func TestKafkaConsumerKilledAroundCommit(t *testing.T) {
 	m1 := publish()
 	c1 := startChild(t, append(env, "CHILD_KILL=after-commit:"+m1))
 	c1.await(t, "KILL after-commit "+m1)
-	c1.waitExit(t)
-	if !c1.killedBySIGKILL() {
-		t.Fatalf("child 1 was not killed: %v\n%s", c1.cmd.ProcessState, c1.stderrText())
+	c1.WaitExit(t, 2*time.Minute)
+	if !c1.KilledBySIGKILL() {
+		t.Fatalf("child 1 was not killed: %v\n%s", c1.Cmd.ProcessState, c1.Stderr.String())
 	}
 	if f.effects(m1) != 1 || dedupRow(m1) != 1 {
 		t.Fatalf("after the kill: effects %d, dedup rows %d; want the committed transaction", f.effects(m1), dedupRow(m1))
@@ -254,21 +209,21 @@ func TestKafkaConsumerKilledAroundCommit(t *testing.T) {
 	if line := c2.await(t, "DONE "+m2); line != "DONE "+m2+" duplicate=false" {
 		t.Fatalf("m2: %q", line)
 	}
-	if err := c2.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := c2.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	c2.waitExit(t)
-	if code := c2.cmd.ProcessState.ExitCode(); code != 0 {
-		t.Fatalf("child 2 exited %d after SIGTERM:\n%s", code, c2.stderrText())
+	c2.WaitExit(t, 2*time.Minute)
+	if code := c2.Cmd.ProcessState.ExitCode(); code != 0 {
+		t.Fatalf("child 2 exited %d after SIGTERM:\n%s", code, c2.Stderr.String())
 	}
 
 	// 3. Killed inside the handler, before the commit: nothing of the attempt survives...
 	m3 := publish()
 	c3 := startChild(t, append(env, "CHILD_KILL=in-handler:"+m3))
 	c3.await(t, "KILL in-handler "+m3)
-	c3.waitExit(t)
-	if !c3.killedBySIGKILL() {
-		t.Fatalf("child 3 was not killed: %v", c3.cmd.ProcessState)
+	c3.WaitExit(t, 2*time.Minute)
+	if !c3.KilledBySIGKILL() {
+		t.Fatalf("child 3 was not killed: %v", c3.Cmd.ProcessState)
 	}
 	if f.effects(m3) != 0 || dedupRow(m3) != 0 {
 		t.Fatalf("killed before commit: effects %d, dedup rows %d; want none", f.effects(m3), dedupRow(m3))
@@ -286,8 +241,8 @@ func TestKafkaConsumerKilledAroundCommit(t *testing.T) {
 	if n := f.count(`SELECT count(*) FROM ` + f.db.Table("processed_event")); n != 3 {
 		t.Errorf("dedup rows %d, want 3", n)
 	}
-	if err := c4.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := c4.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	c4.waitExit(t)
+	c4.WaitExit(t, 2*time.Minute)
 }

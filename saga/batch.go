@@ -448,8 +448,8 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 	}
 	// One round trip: the actions' results kept with their barrier rows, and every reply.
 	b = &pgx.Batch{}
-	if len(kept) > 0 {
-		b.Queue(p.keepResultSQL, p.cfg.Consumer, kept, keptResults)
+	for i, k := range kept {
+		b.Queue(p.keepResultSQL, p.cfg.Consumer, k, keptResults[i])
 	}
 	if len(replies) > 0 {
 		if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", replies...); err != nil {

@@ -137,7 +137,9 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 	}
 	pe := pgsql.Table(cfg.Schema, "processed_event")
 	return &Participant{cfg: cfg, ib: ib, tr: tracing.New(cfg.TracerProvider, cfg.Propagator),
-		keepResultSQL: `UPDATE ` + pe + ` p SET result = u.r FROM unnest($2::text[], $3::bytea[]) AS u(k, r) WHERE p.consumer = $1 AND p.dedup_key = u.k`,
+		// One statement per action, pipelined: an UPDATE … FROM unnest(…) is planned for 100
+		// rows and may scan the whole table instead of using the primary key.
+		keepResultSQL: `UPDATE ` + pe + ` SET result = $3 WHERE consumer = $1 AND dedup_key = $2`,
 		resultSQL:     `SELECT dedup_key, result FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
 	}, nil
 }
@@ -340,7 +342,7 @@ func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, r
 	// One round trip: the action's result kept with its barrier row, and the reply.
 	b = &pgx.Batch{}
 	if phase == outbox.SagaPhaseAction && outcome == outbox.SagaOutcomeDone {
-		b.Queue(p.keepResultSQL, p.cfg.Consumer, []string{actionKey}, [][]byte{payload})
+		b.Queue(p.keepResultSQL, p.cfg.Consumer, actionKey, payload)
 	}
 	if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", p.reply(msg, ref, replyTo, outcome, reason, payload)); err != nil {
 		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, err)

@@ -1,13 +1,10 @@
 package inboxkafka_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
-	"os/exec"
 	"os/signal"
 	"strconv"
 	"strings"
@@ -115,63 +112,10 @@ func (a afterCommit) ProcessBatch(ctx context.Context, msgs []*message.Message) 
 
 func pgxIdent(s string) string { return `"` + strings.ReplaceAll(s, `"`, `""`) + `"` }
 
-// kchild is a running consumer process.
-type kchild struct {
-	cmd    *exec.Cmd
-	lines  chan string
-	stderr *testutil.SyncBuffer
-	exited chan struct{}
-}
-
-func startKChild(t *testing.T, env []string) *kchild {
+// startKChild starts this test binary as a batched consumer process (childMain).
+func startKChild(t *testing.T, env []string) *testutil.Child {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(append(os.Environ(), childEnv+"=consumer"), env...)
-	stdout, pw := io.Pipe()
-	cmd.Stdout = pw
-	c := &kchild{cmd: cmd, lines: make(chan string, 1000), stderr: &testutil.SyncBuffer{}, exited: make(chan struct{})}
-	cmd.Stderr = c.stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			select {
-			case c.lines <- sc.Text():
-			default: // nobody reads APPLIED lines past the buffer; drop them
-			}
-		}
-		close(c.lines)
-	}()
-	go func() { _ = cmd.Wait(); pw.Close(); close(c.exited) }()
-	t.Cleanup(func() {
-		select {
-		case <-c.exited:
-		default:
-			_ = cmd.Process.Kill() // only the process this test started
-			<-c.exited
-		}
-	})
-	return c
-}
-
-func (c *kchild) waitExit(t *testing.T, what string) {
-	t.Helper()
-	select {
-	case <-c.exited:
-	case <-time.After(2 * time.Minute):
-		t.Fatalf("%s: child did not exit; stderr:\n%s", what, c.stderr.String())
-	}
-}
-
-func (c *kchild) killedBySIGKILL() bool {
-	ws, ok := c.cmd.ProcessState.Sys().(syscall.WaitStatus)
-	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+	return testutil.StartChild(t, append([]string{childEnv + "=consumer"}, env...), func(string) {})
 }
 
 // A consumer process SIGKILLed in the middle of a batch (half of its writes done, nothing
@@ -192,9 +136,9 @@ func TestBatchConsumerKilledMidBatch(t *testing.T) {
 		"CHILD_GROUP=" + kafkatest.Topic("g"), "CHILD_BROKERS=" + strings.Join(k.Brokers(), ",")}
 	for i, kill := range []string{"mid-batch:425", "after-commit:400"} {
 		c := startKChild(t, append(env, "CHILD_KILL="+kill))
-		c.waitExit(t, kill)
-		if !c.killedBySIGKILL() {
-			t.Fatalf("child %d (%s) was not killed: %v\n%s", i, kill, c.cmd.ProcessState, c.stderr.String())
+		c.WaitExit(t, 2*time.Minute)
+		if !c.KilledBySIGKILL() {
+			t.Fatalf("child %d (%s) was not killed: %v\n%s", i, kill, c.Cmd.ProcessState, c.Stderr.String())
 		}
 		if n := f.count(`SELECT count(*) FROM (SELECT msg_uuid FROM ` + db.Table("effect") + ` GROUP BY 1 HAVING count(*) > 1) d`); n != 0 {
 			t.Fatalf("after kill %q: %d messages applied twice", kill, n)
@@ -206,12 +150,12 @@ func TestBatchConsumerKilledMidBatch(t *testing.T) {
 	}
 	last := startKChild(t, env)
 	f.waitEffects(len(msgs))
-	if err := last.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+	if err := last.Cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	last.waitExit(t, "SIGTERM")
-	if code := last.cmd.ProcessState.ExitCode(); code != 0 {
-		t.Fatalf("last child exited %d:\n%s", code, last.stderr.String())
+	last.WaitExit(t, 2*time.Minute)
+	if code := last.Cmd.ProcessState.ExitCode(); code != 0 {
+		t.Fatalf("last child exited %d:\n%s", code, last.Stderr.String())
 	}
 	f.checkOnceInOrder(msgs)
 }
