@@ -108,6 +108,9 @@ func (p *batchProcessor) ProcessBatch(ctx context.Context, msgs []*message.Messa
 	return p.ib.processBatch(ctx, msgs, p.topic, p.perMessage, p.set)
 }
 
+// CheckSchema is the Inbox's: the batched consumer calls it before it starts.
+func (p *batchProcessor) CheckSchema(ctx context.Context) error { return p.ib.CheckSchema(ctx) }
+
 // SettlePoison implements BatchProcessor.
 func (p *batchProcessor) SettlePoison(ctx context.Context, msg *message.Message, ps Poison) error {
 	return p.ib.SettlePoison(ctx, msg, ps)

@@ -294,6 +294,9 @@ func (sp *stepProcessor) ProcessBatch(ctx context.Context, msgs []*message.Messa
 	}
 }
 
+// CheckSchema is the participant's: the batched consumer calls it before it starts.
+func (sp *stepProcessor) CheckSchema(ctx context.Context) error { return sp.p.CheckSchema(ctx) }
+
 // SettlePoison answers a command whose handler kept failing as a failed attempt carrying the
 // error (outcome retry: the orchestrator re-sends it within the step's attempts, then
 // compensates), with its dedup row, in one transaction. A command that is not a valid saga

@@ -226,8 +226,18 @@ func (c *BatchConsumer) commitMarked(ctx context.Context, cl *kgo.Client) {
 
 // Run consumes until ctx ends, then lets the batches in flight finish, commits the offsets of
 // what was applied, leaves the group and returns nil. It returns an error only if the client
-// stopped for another reason. Call it once.
+// stopped for another reason, or at once when the processor's schema is not migrated (a
+// processor with a CheckSchema method: the inbox's, the saga orchestrator and participants;
+// the error matches migrations.ErrNotMigrated and names the command to run). Call it once.
 func (c *BatchConsumer) Run(ctx context.Context) error {
+	// Fail fast on an unmigrated schema rather than retry every batch forever: the inbox's
+	// processors, the saga orchestrator and participants can tell.
+	if sc, ok := c.cfg.Processor.(interface{ CheckSchema(context.Context) error }); ok {
+		if err := sc.CheckSchema(ctx); err != nil {
+			c.Close()
+			return fmt.Errorf("inboxkafka: batch consumer of group %q: %w", c.cfg.Group, err)
+		}
+	}
 	c.mu.Lock()
 	c.runCtx = ctx
 	c.mu.Unlock()

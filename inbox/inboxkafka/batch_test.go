@@ -21,6 +21,7 @@ import (
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/migrations"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -456,5 +457,27 @@ func TestBatchConsumerDoesNotPoisonOnTransientErrors(t *testing.T) {
 	f.checkOnceInOrder(msgs)
 	if n := f.count(`SELECT count(*) FROM ` + f.db.Table("inbox_poison")); n != 0 {
 		t.Fatalf("%d messages poisoned by deadlocks", n)
+	}
+}
+
+// On a schema without the migrations, Run fails at once with an error that says what to run,
+// instead of retrying every batch forever.
+func TestBatchConsumerRefusesAnUnmigratedSchema(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewEmpty(t)
+	ib, err := inbox.New(inbox.Config{Pool: db.Pool, Schema: db.Schema, Consumer: "batch"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: kafkatest.Brokers(t, 1), Group: kafkatest.Topic("g"),
+		Topics: []string{kafkatest.Topic("t")}, Processor: ib.BatchNoPublish(func(*message.Message) error { return nil })})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err = c.Run(ctx)
+	if !errors.Is(err, migrations.ErrNotMigrated) || !strings.Contains(err.Error(), "onceflow migrate up") {
+		t.Fatalf("Run on an unmigrated schema: %v; want migrations.ErrNotMigrated naming the command", err)
 	}
 }
