@@ -11,8 +11,12 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/onceflow/onceflow/saga"
+	"github.com/onceflow/onceflow/saga/sagatest"
 )
 
 // localDef is a saga of remote and local steps, in the order of names: a name starting with
@@ -433,5 +437,66 @@ func TestLocalStepDefinitionChecks(t *testing.T) {
 		saga.OnCompleted(func(context.Context, pgx.Tx, *stepCmd) error { return nil }))
 	if err == nil || !strings.Contains(err.Error(), "OnCompleted hook") {
 		t.Errorf("a hook of another data type: %v", err)
+	}
+}
+
+// The transition that runs local steps notes each run on its span.
+func TestLocalStepsInTransitionSpan(t *testing.T) {
+	t.Parallel()
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	defer func() { _ = tp.Shutdown(context.Background()) }()
+	w := newLocalWorld(t, false, []string{"reserve", "+note", "+confirm"}, nil)
+	o, err := saga.NewOrchestrator(saga.OrchestratorConfig{Pool: w.db.Pool, Schema: w.db.Schema, TracerProvider: tp})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := saga.Register(o, w.def); err != nil {
+		t.Fatal(err)
+	}
+	w.bus = sagatest.NewBus(w.db.Pool, w.db.Schema)
+	w.bus.Orchestrate(o)
+	w.subscribeParticipant("reserve", true)
+	id := w.start("o-1")
+	if d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated); d.State != saga.StateCompleted {
+		t.Fatalf("state %s (%s)", d.State, d.Error)
+	}
+	var events []string
+	for _, s := range exp.GetSpans() {
+		if strings.HasPrefix(s.Name, "process") {
+			for _, e := range s.Events {
+				events = append(events, e.Name)
+			}
+		}
+	}
+	if want := []string{"saga local step note: action done", "saga local step confirm: action done"}; !slices.Equal(events, want) {
+		t.Fatalf("span events %v, want %v", events, want)
+	}
+}
+
+// StartSQLTx cannot hand a local step a pgx.Tx: even with RunLocalSteps, a local first step
+// runs after the start, and the saga completes.
+func TestLocalFirstStepStartSQLTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	w := newLocalWorld(t, false, []string{"+place", "reserve"}, nil)
+	db := stdlib.OpenDBFromPool(w.db.Pool)
+	defer db.Close()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := saga.StartSQLTx(ctx, tx, w.def, Checkout{Order: "o-1", Amount: 42}, saga.WithID("o-1"), saga.WithWriter(w.writer()), saga.RunLocalSteps()); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if d := w.get("o-1"); d.Steps[0].Status != "pending" || d.Wait == nil || d.Wait.For != saga.WaitRun {
+		t.Fatalf("after the start: %s, wait %+v", statuses(d), d.Wait)
+	}
+	d := w.runUntil("o-1", saga.StateCompleted, saga.StateCompensated)
+	if got := w.effects("o-1"); d.State != saga.StateCompleted || !slices.Equal(got, []string{"place/action", "reserve/action"}) {
+		t.Fatalf("%s, effects %v", d.State, got)
 	}
 }

@@ -215,7 +215,8 @@ func start[D any](ctx context.Context, tx starter, def *Definition[D], data D, o
 		Waiting: waitReply, Data: raw, Steps: make([]StepHistory, len(def.steps)),
 		Trace: tracing.New(wc.TracerProvider, wc.Propagator).Inject(ctx, nil)}
 	for i, s := range def.steps {
-		in.Steps[i] = StepHistory{Name: s.name, Status: stepPending, Local: s.local != nil}
+		in.Steps[i] = StepHistory{Name: s.name, Status: stepPending, Local: s.local != nil,
+			LocalCompensation: s.compLocal != nil}
 	}
 	m := &machine{def: def, now: now, in: in}
 	pgxTx, canRun := tx.(pgxStarter)

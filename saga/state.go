@@ -75,6 +75,8 @@ type StepHistory struct {
 	// Local is set for a local step: its action runs in the orchestrator's transaction
 	// (Attempts counts its runs; it sends no commands).
 	Local bool `json:"local,omitempty"`
+	// LocalCompensation is set when the step's compensation is local (CompensateLocal).
+	LocalCompensation bool `json:"local_compensation,omitempty"`
 	// Status is pending, running, done, failed, compensating, compensated or kept (took
 	// effect and has no compensation).
 	Status string `json:"status"`
