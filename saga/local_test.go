@@ -500,3 +500,51 @@ func TestLocalFirstStepStartSQLTx(t *testing.T) {
 		t.Fatalf("%s, effects %v", d.State, got)
 	}
 }
+
+// A transition that ran a local step and then failed (here its OnCompleted hook) commits
+// nothing: not the step's writes, not the saga's state. Tried again, the step runs again and
+// its effect commits once.
+func TestLocalStepCommitsWithTheTransitionOrNot(t *testing.T) {
+	t.Parallel()
+	forModes(t, func(t *testing.T, batched bool) {
+		var w *world
+		hookFails := 2
+		def := localDef(t, &w, []string{"reserve", "+confirm"}, nil,
+			saga.OnCompleted(func(ctx context.Context, tx pgx.Tx, c *Checkout) error {
+				w.mu.Lock()
+				defer w.mu.Unlock()
+				if hookFails > 0 {
+					hookFails--
+					return errors.New("orders table locked")
+				}
+				return nil
+			}))
+		w = newWorldMode(t, batched, def)
+		if _, err := w.db.Pool.Exec(context.Background(), `CREATE TABLE `+w.db.Schema+`.local_run (seq bigserial PRIMARY KEY, saga text NOT NULL, step text NOT NULL, txid bigint NOT NULL)`); err != nil {
+			t.Fatal(err)
+		}
+		id := w.start("o-1")
+		// The bus returns a batch's error (a batched consumer would retry it): deliver again. The
+		// failed transition left the saga where the reply found it, at reserve.
+		var d *saga.Detail
+		for tries := 0; ; tries++ {
+			err := w.bus.RunUntil(context.Background(), func() bool { d = w.get(id); return d.State == saga.StateCompleted })
+			if err == nil {
+				break
+			}
+			if tries == 5 {
+				t.Fatal(err)
+			}
+			d = w.get(id)
+			if d.State != saga.StateRunning || d.Step != "reserve" || len(w.effects(id)) != 1 || amount(t, d) != 42 {
+				t.Fatalf("after a failed transition: %s at %s, effects %v, data %s", d.State, d.Step, w.effects(id), d.Data)
+			}
+		}
+		if got, want := w.effects(id), []string{"reserve/action", "confirm/action"}; !slices.Equal(got, want) || w.calls["confirm/action"] != 3 {
+			t.Fatalf("effects %v, want %v; confirm ran %d times, want 3", got, want, w.calls["confirm/action"])
+		}
+		if d.Steps[1].Attempts != 1 || amount(t, d) != 43 {
+			t.Fatalf("confirm %+v, data %s: the failed transitions left a trace", d.Steps[1], d.Data)
+		}
+	})
+}
