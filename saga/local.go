@@ -78,7 +78,9 @@ func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, 
 		return data, nil, nil
 	}
 	var oe *outcomeError
-	if !errors.As(stepErr, &oe) && pgsql.IsTransient(stepErr) {
+	if !errors.As(stepErr, &oe) && (pgsql.IsTransient(stepErr) || ctx.Err() != nil) {
+		// Not the step's failure: the database's, or the message's context ended (a
+		// rebalance, a shutdown). No run is counted; the transition is tried again.
 		return nil, nil, stepErr
 	}
 	if _, err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_local`); err != nil {
