@@ -142,6 +142,12 @@ func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message
 		if m.fx.stale != "" {
 			continue
 		}
+		if err := runLocals(mctx, tx, m); err != nil {
+			if pgsql.IsTransient(err) {
+				return err // the batch's failure, not the reply's
+			}
+			return &inbox.MessageError{Index: r.index, Err: err}
+		}
 		if !slices.Contains(changed, in) {
 			changed = append(changed, in)
 		}

@@ -1,12 +1,15 @@
 package saga
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/config"
 	"github.com/onceflow/onceflow/outbox"
@@ -65,7 +68,14 @@ type StepDef[D any] struct {
 	backoff    time.Duration
 	timeout    time.Duration
 	pivot      bool
+	// local and compLocal: a local step's action and compensation (see Local).
+	local     LocalFunc[D]
+	compLocal LocalFunc[D]
 }
+
+// LocalFunc is a local step's action or compensation: it runs in the orchestrator's
+// transaction, tx, and may change the saga data.
+type LocalFunc[D any] func(ctx context.Context, tx pgx.Tx, data *D) error
 
 // Step starts the definition of a step. name identifies it in the saga (and in dedup keys and
 // operator output), so keep it stable across deployments.
@@ -124,6 +134,40 @@ func (s *StepDef[D]) Pivot() *StepDef[D] {
 	return s
 }
 
+// Local makes the step local: instead of sending a command to a participant, the
+// orchestrator runs fn in the transaction of the transition that reaches the step, so its
+// writes commit together with the saga's state change, or not at all — exactly once by
+// construction, with no command, no reply, no barrier and no dedup row. Use it for work in the
+// orchestrator's own database (marking the order confirmed); anything in another service stays
+// a remote step (Send). Consecutive local steps run in the same transition, and a remote step
+// after them sends its command in that same transaction.
+//
+// fn may change the saga data; the change is stored with the transition. fn runs in a
+// savepoint: when it returns an error, its writes are rolled back. saga.Fail is a business
+// failure: the steps before it are compensated (or, on and after the pivot, it is run again
+// after the backoff). Any other error (saga.Retry included) is retried after the step's
+// backoff, as the next of its Attempts, then the saga compensates like for a remote step. A
+// transient database error (a deadlock, a lost connection) fails the whole transition, which
+// is tried again without counting an attempt.
+//
+// A local step has no Send, OnReply, Timeout or Compensate (use CompensateLocal). A local
+// first step runs in StartTx's transaction with the RunLocalSteps start option, else within
+// about TimerInterval after the start commits (Orchestrator.Run).
+func (s *StepDef[D]) Local(fn LocalFunc[D]) *StepDef[D] {
+	s.local = fn
+	return s
+}
+
+// CompensateLocal sets a compensation that runs in the orchestrator's transaction (see
+// Local): it undoes the step when a later step fails. It may compensate a local or a remote
+// step. Failures are retried with the saga's compensation attempts and backoff
+// (WithCompensationAttempts), then the saga is stuck, as with Compensate. Not allowed with
+// Compensate, nor on or after the pivot.
+func (s *StepDef[D]) CompensateLocal(fn LocalFunc[D]) *StepDef[D] {
+	s.compLocal = fn
+	return s
+}
+
 // Option configures a Definition.
 type Option func(*options)
 
@@ -132,6 +176,25 @@ type options struct {
 	deadline             time.Duration
 	compensationAttempts int
 	compensationBackoff  time.Duration
+	// onCompleted and onCompensated hold a func(context.Context, pgx.Tx, *D) error (see
+	// OnCompleted), checked against D by Define.
+	onCompleted, onCompensated any
+}
+
+// OnCompleted sets a hook that runs in the transaction of the transition that completes a
+// saga of data D: a service marks its order confirmed atomically with the saga's end, without
+// a step of its own. It may change the saga data (stored with the transition). An error from
+// it fails the transition, which is tried again like any failing transition (the reply is
+// redelivered, the timer fires again), so keep it to writes that cannot fail for business
+// reasons.
+func OnCompleted[D any](h func(ctx context.Context, tx pgx.Tx, data *D) error) Option {
+	return func(o *options) { o.onCompleted = h }
+}
+
+// OnCompensated is OnCompleted for the transition that ends the saga compensated (a service
+// marks its order cancelled); the saga's error says why it compensated.
+func OnCompensated[D any](h func(ctx context.Context, tx pgx.Tx, data *D) error) Option {
+	return func(o *options) { o.onCompensated = h }
 }
 
 // WithReplyTopic sets the topic participants send their replies to, which the orchestrator
@@ -158,6 +221,8 @@ type Definition[D any] struct {
 	steps   []*StepDef[D]
 	opts    options
 	pivot   int // index of the pivot step, or len(steps) when none
+	// hooks run when the saga ends: onEnd[0] completed, onEnd[1] compensated (nil: none).
+	onEnd [2]func(ctx context.Context, tx pgx.Tx, data *D) error
 }
 
 // Define builds a saga definition and checks it, reporting every problem at once: an empty or
@@ -194,6 +259,18 @@ func Define[D any](name string, version int, steps []*StepDef[D], opts ...Option
 	if d.opts.compensationAttempts < 1 || d.opts.compensationBackoff < 0 {
 		problems = append(problems, fmt.Errorf("compensation attempts %d, backoff %s; use at least 1 attempt and a backoff >= 0", d.opts.compensationAttempts, d.opts.compensationBackoff))
 	}
+	for i, h := range []any{d.opts.onCompleted, d.opts.onCompensated} {
+		if h == nil {
+			continue
+		}
+		f, ok := h.(func(context.Context, pgx.Tx, *D) error)
+		if !ok {
+			problems = append(problems, fmt.Errorf("%s hook is a %T; want a func(context.Context, pgx.Tx, *%T) error",
+				[]string{"OnCompleted", "OnCompensated"}[i], h, *new(D)))
+			continue
+		}
+		d.onEnd[i] = f
+	}
 	seen := map[string]bool{}
 	for i, s := range steps {
 		if s == nil {
@@ -207,11 +284,21 @@ func Define[D any](name string, version int, steps []*StepDef[D], opts ...Option
 			problems = append(problems, fmt.Errorf("%s: duplicate step name; step names must be unique in a saga", where))
 		}
 		seen[s.name] = true
-		if s.topic == "" || s.command == nil {
-			problems = append(problems, fmt.Errorf("%s: no command; call Send(topic, build)", where))
+		switch {
+		case s.local != nil && (s.topic != "" || s.command != nil):
+			problems = append(problems, fmt.Errorf("%s: both Local and Send; a step is either local or sends a command", where))
+		case s.local != nil && s.onReply != nil:
+			problems = append(problems, fmt.Errorf("%s: OnReply on a local step, which gets no reply; change the data in its Local function", where))
+		case s.local != nil && s.timeout != 0:
+			problems = append(problems, fmt.Errorf("%s: Timeout on a local step, which runs in the transition; remove it", where))
+		case s.local == nil && (s.topic == "" || s.command == nil):
+			problems = append(problems, fmt.Errorf("%s: no command; call Send(topic, build), or Local(fn) for a local step", where))
 		}
 		if (s.compTopic == "") != (s.compensate == nil) {
 			problems = append(problems, fmt.Errorf("%s: Compensate needs both a topic and a build function", where))
+		}
+		if s.compensate != nil && s.compLocal != nil {
+			problems = append(problems, fmt.Errorf("%s: both Compensate and CompensateLocal; a step has one compensation", where))
 		}
 		if s.attempts < 1 {
 			problems = append(problems, fmt.Errorf("%s: attempts is %d; use at least 1", where, s.attempts))
@@ -226,7 +313,7 @@ func Define[D any](name string, version int, steps []*StepDef[D], opts ...Option
 				d.pivot = i
 			}
 		}
-		if i >= d.pivot && s.compensate != nil {
+		if i >= d.pivot && (s.compensate != nil || s.compLocal != nil) {
 			what := "a pivot step has no compensation"
 			if !s.pivot {
 				what = "steps after the pivot are retried until they succeed and never compensated"
@@ -307,6 +394,10 @@ type definition interface {
 	encodeData(data any) (json.RawMessage, error)
 	command(i int, phase outbox.SagaPhase, data json.RawMessage) (topic string, payload []byte, err error)
 	onReply(i int, data json.RawMessage, r Reply) (json.RawMessage, error)
+	// runLocal runs the local action or compensation of step i on data in tx; runEnd the
+	// hook of the end state s, if any. Both return the data after it (unchanged when none).
+	runLocal(ctx context.Context, tx pgx.Tx, i int, phase outbox.SagaPhase, data json.RawMessage) (json.RawMessage, error)
+	runEnd(ctx context.Context, tx pgx.Tx, s State, data json.RawMessage) (json.RawMessage, bool, error)
 }
 
 // stepPolicy is a step's policy without its typed functions.
@@ -316,9 +407,20 @@ type stepPolicy struct {
 	backoff  time.Duration
 	timeout  time.Duration
 	comp     bool
+	// local and compLocal: the action and the compensation run in the orchestrator's
+	// transaction instead of being sent.
+	local, compLocal bool
 }
 
 func (p stepPolicy) hasCompensation() bool { return p.comp }
+
+// isLocal reports whether the step's phase runs locally.
+func (p stepPolicy) isLocal(phase outbox.SagaPhase) bool {
+	if phase == outbox.SagaPhaseCompensation {
+		return p.compLocal
+	}
+	return p.local
+}
 
 func (d *Definition[D]) stepCount() int                     { return len(d.steps) }
 func (d *Definition[D]) pivotIndex() int                    { return d.pivot }
@@ -329,7 +431,8 @@ func (d *Definition[D]) compensationBackoff() time.Duration { return d.opts.comp
 
 func (d *Definition[D]) step(i int) stepPolicy {
 	s := d.steps[i]
-	return stepPolicy{name: s.name, attempts: s.attempts, backoff: s.backoff, timeout: s.timeout, comp: s.compensate != nil}
+	return stepPolicy{name: s.name, attempts: s.attempts, backoff: s.backoff, timeout: s.timeout,
+		comp: s.compensate != nil || s.compLocal != nil, local: s.local != nil, compLocal: s.compLocal != nil}
 }
 
 func (d *Definition[D]) stepIndex(name string) int {
@@ -385,6 +488,46 @@ func (d *Definition[D]) onReply(i int, raw json.RawMessage, r Reply) (json.RawMe
 		return nil, err
 	}
 	if err := h(&data, r); err != nil {
+		return nil, err
+	}
+	return json.Marshal(data)
+}
+
+func (d *Definition[D]) runLocal(ctx context.Context, tx pgx.Tx, i int, phase outbox.SagaPhase, raw json.RawMessage) (json.RawMessage, error) {
+	fn := d.steps[i].local
+	if phase == outbox.SagaPhaseCompensation {
+		fn = d.steps[i].compLocal
+	}
+	if fn == nil {
+		return nil, fmt.Errorf("saga %q: step %q has no local %s", d.name, d.steps[i].name, phase)
+	}
+	return d.runFunc(ctx, tx, fn, raw)
+}
+
+func (d *Definition[D]) runEnd(ctx context.Context, tx pgx.Tx, s State, raw json.RawMessage) (json.RawMessage, bool, error) {
+	h := d.onEnd[0]
+	if s == StateCompensated {
+		h = d.onEnd[1]
+	}
+	if h == nil {
+		return raw, false, nil
+	}
+	out, err := d.runFunc(ctx, tx, h, raw)
+	return out, true, err
+}
+
+// runFunc runs fn on the decoded data, and returns the data after it; a panic is an error.
+func (d *Definition[D]) runFunc(ctx context.Context, tx pgx.Tx, fn func(context.Context, pgx.Tx, *D) error, raw json.RawMessage) (_ json.RawMessage, err error) {
+	data, err := d.decode(raw)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("saga %q: panic: %v", d.name, r)
+		}
+	}()
+	if err := fn(ctx, tx, &data); err != nil {
 		return nil, err
 	}
 	return json.Marshal(data)

@@ -3,6 +3,8 @@ package saga
 import (
 	"sync/atomic"
 	"time"
+
+	"github.com/onceflow/onceflow/outbox"
 )
 
 // Metrics receives the saga package's measurements: the orchestrator's transitions and the
@@ -26,6 +28,9 @@ type Metrics interface {
 	// same delivery again), BarrierNullCompensation (a compensation whose action never ran)
 	// or BarrierHangingAction (an action arriving after its compensation).
 	Barrier(consumer string, outcome BarrierOutcome)
+	// LocalStep: a local step's action or compensation ran in a committed transition;
+	// outcome is done, failed (saga.Fail) or retry (any other error: it runs again later).
+	LocalStep(name, step string, phase outbox.SagaPhase, outcome string)
 	// StepError: a participant's handler kept failing with an ordinary error (neither Fail
 	// nor Retry) and its command was answered as a failed attempt carrying the error.
 	StepError(consumer string)
@@ -64,6 +69,9 @@ func (NopMetrics) Ignored(string) {}
 // StepError implements Metrics.
 func (NopMetrics) StepError(string) {}
 
+// LocalStep implements Metrics.
+func (NopMetrics) LocalStep(string, string, outbox.SagaPhase, string) {}
+
 // Barrier implements Metrics.
 func (NopMetrics) Barrier(string, BarrierOutcome) {}
 
@@ -73,6 +81,7 @@ type Counters struct {
 	started, completed, compensated, stuck, ignored atomic.Int64
 	duplicates, nullCompensations, hangingActions   atomic.Int64
 	stepErrors                                      atomic.Int64
+	localRuns, localFailures                        atomic.Int64
 }
 
 var _ Metrics = (*Counters)(nil)
@@ -95,6 +104,14 @@ func (c *Counters) Ignored(string) { c.ignored.Add(1) }
 // StepError implements Metrics.
 func (c *Counters) StepError(string) { c.stepErrors.Add(1) }
 
+// LocalStep implements Metrics.
+func (c *Counters) LocalStep(_, _ string, _ outbox.SagaPhase, outcome string) {
+	c.localRuns.Add(1)
+	if outcome != outbox.SagaOutcomeDone {
+		c.localFailures.Add(1)
+	}
+}
+
 // Barrier implements Metrics.
 func (c *Counters) Barrier(_ string, o BarrierOutcome) {
 	switch o {
@@ -112,6 +129,9 @@ type CountersSnapshot struct {
 	Started, Completed, Compensated, Stuck, Ignored int64
 	Duplicates, NullCompensations, HangingActions   int64
 	StepErrors                                      int64
+	// LocalRuns counts local step runs (actions and compensations) that committed;
+	// LocalFailures those of them that failed (saga.Fail or an error).
+	LocalRuns, LocalFailures int64
 }
 
 // Snapshot returns the current totals.
@@ -120,6 +140,7 @@ func (c *Counters) Snapshot() CountersSnapshot {
 		Started: c.started.Load(), Completed: c.completed.Load(), Compensated: c.compensated.Load(),
 		Stuck: c.stuck.Load(), Ignored: c.ignored.Load(),
 		Duplicates: c.duplicates.Load(), NullCompensations: c.nullCompensations.Load(), HangingActions: c.hangingActions.Load(),
+		LocalRuns: c.localRuns.Load(), LocalFailures: c.localFailures.Load(),
 		StepErrors: c.stepErrors.Load(),
 	}
 }

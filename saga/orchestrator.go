@@ -289,6 +289,9 @@ func (o *Orchestrator) apply(ctx context.Context, tx pgx.Tx, def definition, in 
 	if m.fx.stale != "" {
 		return &m.fx, nil // nothing changes; a reply's dedup row still commits
 	}
+	if err := runLocals(ctx, tx, m); err != nil {
+		return nil, err
+	}
 	if err := o.st.saveTx(ctx, tx, o.cfg.Writer, in, &m.fx); err != nil {
 		return nil, err
 	}
@@ -296,6 +299,7 @@ func (o *Orchestrator) apply(ctx context.Context, tx pgx.Tx, def definition, in 
 }
 
 func (o *Orchestrator) observe(in *instance, fx *effects, now time.Time) {
+	observeLocal(o.cfg.Metrics, in, fx)
 	switch {
 	case fx.stale != "":
 		o.cfg.Metrics.Ignored(in.Name)
@@ -499,4 +503,11 @@ func commit(ctx context.Context, tx pgx.Tx) error {
 		return fmt.Errorf("saga: commit: %w", err)
 	}
 	return nil
+}
+
+// observeLocal counts a committed transition's local runs.
+func observeLocal(m Metrics, in *instance, fx *effects) {
+	for _, r := range fx.ran {
+		m.LocalStep(in.Name, r.Step, r.Phase, r.Outcome)
+	}
 }

@@ -22,7 +22,21 @@ type startOptions struct {
 	id      string
 	writer  *outbox.Writer
 	metrics Metrics
+	local   bool
 }
+
+// RunLocalSteps runs a saga's first steps that are local (Step.Local) in StartTx's
+// transaction, with the start: the caller's business writes, the saga row and those steps'
+// writes commit together (an order is placed and confirmed atomically), until a remote step's
+// command is written or the saga ends (its OnCompleted or OnCompensated hook runs then too).
+// A local step that fails there behaves as in any transition: saga.Fail compensates, another
+// error rolls back its writes (a savepoint) and it runs again after its backoff.
+//
+// Without it (and always with StartSQLTx, whose *sql.Tx a local step cannot use), a local
+// first step runs in a transition of its own after the start commits: a timer due at once,
+// which the orchestrator's Run fires within about TimerInterval (DefaultTimerInterval,
+// 200 ms). Sagas whose first step is remote are unaffected.
+func RunLocalSteps() StartOption { return func(o *startOptions) { o.local = true } }
 
 // WithID starts the saga under a caller-chosen id, such as the order id, which makes the start
 // idempotent: starting the same id again is a no-op that returns the id. Default: a new
@@ -201,10 +215,16 @@ func start[D any](ctx context.Context, tx starter, def *Definition[D], data D, o
 		Waiting: waitReply, Data: raw, Steps: make([]StepHistory, len(def.steps)),
 		Trace: tracing.New(wc.TracerProvider, wc.Propagator).Inject(ctx, nil)}
 	for i, s := range def.steps {
-		in.Steps[i] = StepHistory{Name: s.name, Status: stepPending}
+		in.Steps[i] = StepHistory{Name: s.name, Status: stepPending, Local: s.local != nil,
+			LocalCompensation: s.compLocal != nil}
 	}
 	m := &machine{def: def, now: now, in: in}
-	if err := m.send(0, outbox.SagaPhaseAction, 1); err != nil {
+	pgxTx, canRun := tx.(pgxStarter)
+	if def.steps[0].local != nil && (!o.local || !canRun) {
+		// The local first step runs after the start commits, when Run fires this timer.
+		in.Waiting = waitRun
+		m.fx.setStep = &timer{Kind: timerStep, Step: 0, Phase: outbox.SagaPhaseAction, Attempt: 1, Action: actRun, Due: now}
+	} else if err := m.send(0, outbox.SagaPhaseAction, 1); err != nil {
 		return "", err
 	}
 	if in.State != StateRunning {
@@ -226,12 +246,39 @@ func start[D any](ctx context.Context, tx starter, def *Definition[D], data D, o
 		}
 		return o.id, nil
 	}
-	m.fx.cancelStep = false // nothing to cancel on a new saga
-	if err := tx.save(ctx, st, w, in, &m.fx, deadlineTimer(def, now)); err != nil {
-		return "", err
+	if m.fx.local != nil {
+		// RunLocalSteps: the row was inserted as the machine left it before the local run;
+		// the runs change it (one more statement, for sagas that start with a local step).
+		if err := runLocals(ctx, pgxTx.tx, m); err != nil {
+			return "", err
+		}
+		b := &pgx.Batch{}
+		if err := st.queueUpdate(b, in); err != nil {
+			return "", err
+		}
+		var deadline *timer
+		if in.State == StateRunning {
+			deadline = deadlineTimer(def, now)
+		}
+		m.fx.cancelStep, m.fx.cancelAll = false, false // a new saga has no timers to cancel
+		if err := st.send(ctx, pgxTx.tx, b, w, in, &m.fx, deadline); err != nil {
+			return "", err
+		}
+	} else {
+		m.fx.cancelStep = false // nothing to cancel on a new saga
+		if err := tx.save(ctx, st, w, in, &m.fx, deadlineTimer(def, now)); err != nil {
+			return "", err
+		}
 	}
 	if o.metrics != nil {
 		o.metrics.Started(def.Name())
+		observeLocal(o.metrics, in, &m.fx)
+		switch m.fx.finished {
+		case StateCompleted:
+			o.metrics.Completed(def.Name(), 0)
+		case StateCompensated:
+			o.metrics.Compensated(def.Name(), 0)
+		}
 	}
 	return o.id, nil
 }

@@ -2,6 +2,7 @@ package saga
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"time"
 
@@ -32,7 +33,7 @@ func (s State) Finished() bool { return s == StateCompleted || s == StateCompens
 // Step statuses, as shown by `onceflow saga show`.
 const (
 	stepPending      = "pending"      // not reached
-	stepRunning      = "running"      // command sent, waiting for the reply or a re-send
+	stepRunning      = "running"      // command sent, waiting for the reply or a re-send (local: waiting to run again)
 	stepDone         = "done"         // the action took effect
 	stepFailed       = "failed"       // the action failed (no effect, or an unknown one when uncertain)
 	stepCompensating = "compensating" // compensation sent
@@ -43,7 +44,8 @@ const (
 // waiting says what a saga in flight waits for.
 const (
 	waitReply  = "reply"  // the reply to the current attempt
-	waitResend = "resend" // the backoff before re-sending the command
+	waitResend = "resend" // the backoff before re-sending the command (local: running it again)
+	waitRun    = "run"    // a local first step's run, due at once after the start (actRun)
 )
 
 // instance is one saga's row: its state and history.
@@ -70,10 +72,16 @@ type instance struct {
 type StepHistory struct {
 	// Name is the step's name in the definition.
 	Name string `json:"name"`
+	// Local is set for a local step: its action runs in the orchestrator's transaction
+	// (Attempts counts its runs; it sends no commands).
+	Local bool `json:"local,omitempty"`
+	// LocalCompensation is set when the step's compensation is local (CompensateLocal).
+	LocalCompensation bool `json:"local_compensation,omitempty"`
 	// Status is pending, running, done, failed, compensating, compensated or kept (took
 	// effect and has no compensation).
 	Status string `json:"status"`
-	// Attempts and CompAttempts count the action and compensation commands sent.
+	// Attempts and CompAttempts count the action and compensation commands sent (or, for a
+	// local action or compensation, its runs).
 	Attempts     int `json:"attempts,omitempty"`
 	CompAttempts int `json:"comp_attempts,omitempty"`
 	// Uncertain is set when an attempt timed out (or a deadline or operator interrupted it):
@@ -131,6 +139,7 @@ const (
 	actDeadline   = "deadline"
 	actRetry      = "retry"
 	actCompensate = "compensate"
+	actRun        = "run" // run a local first step (StartTx without RunLocalSteps)
 )
 
 // timer is a saga_timer row.
@@ -147,6 +156,21 @@ type timer struct {
 type event struct {
 	reply *replyEvent
 	timer *timer
+}
+
+// localRun is a machine's request to run a local step's phase: the store layer runs it in
+// the transition's transaction and feeds the outcome back with machine.local.
+type localRun struct {
+	Step    int
+	Phase   outbox.SagaPhase
+	Attempt int
+}
+
+// localOutcome is how a local step's run ended: Data is the saga data after it (on success),
+// Err what it returned (saga.Fail: a business failure; anything else: retried).
+type localOutcome struct {
+	Data json.RawMessage
+	Err  error
 }
 
 type replyEvent struct {
@@ -170,6 +194,19 @@ type effects struct {
 	hadStepTimer, hadDeadline bool
 	finished                  State // StateCompleted or StateCompensated when the saga ended now
 	becameStuck               bool
+	// local, when set, asks for a local step to run now, in this transition; the caller runs
+	// it and calls machine.local with its outcome (which may ask for the next one).
+	local *localRun
+	// ran lists the local runs of this transition and how they ended (for metrics and
+	// tracing, after the commit).
+	ran []localNote
+}
+
+// localNote is a local run that ended: its step, phase and outcome (done, failed or retry).
+type localNote struct {
+	Step    string
+	Phase   outbox.SagaPhase
+	Outcome string
 }
 
 // machine applies events to a saga of one definition. It is pure: no I/O, the clock is given.
@@ -185,7 +222,7 @@ type machine struct {
 func (m *machine) apply(ev event) error {
 	in := m.in
 	live := in.State == StateRunning || in.State == StateCompensating
-	m.fx.hadStepTimer = live && (in.Waiting == waitResend || (in.Waiting == waitReply && m.def.step(in.Step).timeout > 0))
+	m.fx.hadStepTimer = live && (in.Waiting == waitResend || in.Waiting == waitRun || (in.Waiting == waitReply && m.def.step(in.Step).timeout > 0))
 	m.fx.hadDeadline = in.State == StateRunning && m.def.deadline() > 0
 	if ev.timer != nil {
 		// The firing transaction deleted the timer already.
@@ -199,6 +236,30 @@ func (m *machine) apply(ev event) error {
 		return m.onTimer(*ev.timer)
 	}
 	return fmt.Errorf("saga: empty event")
+}
+
+// local feeds back the outcome of the local run the machine asked for (fx.local), which the
+// caller cleared. It changes the saga as a reply would: success goes on (to the next step, a
+// remote one's command or another local run), saga.Fail fails the step, anything else is
+// retried after the backoff, within the step's (or the compensation's) attempts.
+func (m *machine) local(r localRun, o localOutcome) error {
+	in := m.in
+	if in.Step != r.Step || in.phase() != r.Phase || in.Attempt != r.Attempt {
+		return fmt.Errorf("saga: a local run of step %d (%s, attempt %d) does not match the saga (step %d, %s, attempt %d)",
+			r.Step, r.Phase, r.Attempt, in.Step, in.phase(), in.Attempt)
+	}
+	outcome, reason := outbox.SagaOutcomeDone, ""
+	var oe *outcomeError
+	switch {
+	case errors.As(o.Err, &oe):
+		outcome, reason = oe.outcome, oe.reason
+	case o.Err != nil:
+		outcome, reason = outbox.SagaOutcomeRetry, o.Err.Error()
+	default:
+		in.Data = o.Data
+	}
+	m.fx.ran = append(m.fx.ran, localNote{Step: m.def.step(r.Step).name, Phase: r.Phase, Outcome: outcome})
+	return m.outcome(r.Step, r.Phase, outcome, reason, nil, r.Attempt)
 }
 
 func (m *machine) stale(why string) error {
@@ -228,29 +289,34 @@ func (m *machine) onReply(r replyEvent) error {
 	case in.Waiting == waitResend && r.Outcome != outbox.SagaOutcomeDone:
 		return m.stale("failure reply while a re-send is already scheduled")
 	}
-	rec := &in.Steps[idx]
-	if r.Phase == outbox.SagaPhaseAction {
-		switch r.Outcome {
+	return m.outcome(idx, r.Phase, r.Outcome, r.Reason, r.Payload, r.Attempt)
+}
+
+// outcome applies the outcome of an attempt of step idx's phase: a reply's or a local run's.
+func (m *machine) outcome(idx int, phase outbox.SagaPhase, outcome, reason string, payload []byte, attempt int) error {
+	rec := &m.in.Steps[idx]
+	if phase == outbox.SagaPhaseAction {
+		switch outcome {
 		case outbox.SagaOutcomeDone:
-			return m.actionDone(idx, Reply{Payload: r.Payload, Attempt: r.Attempt})
+			return m.actionDone(idx, Reply{Payload: payload, Attempt: attempt})
 		case outbox.SagaOutcomeFailed:
-			rec.LastError = "failed: " + r.Reason
+			rec.LastError = "failed: " + reason
 			if idx >= m.def.pivotIndex() {
 				return m.resendLater(idx, rec.LastError) // past the point of no return: retry until it succeeds
 			}
 			return m.actionFailed(idx, rec.LastError, rec.Uncertain)
 		case outbox.SagaOutcomeRetry:
-			return m.retryOrGiveUp(idx, "retry: "+r.Reason)
+			return m.retryOrGiveUp(idx, "retry: "+reason)
 		}
-		return m.stale(fmt.Sprintf("reply with unknown outcome %q", r.Outcome)) // retrying cannot fix it
+		return m.stale(fmt.Sprintf("reply with unknown outcome %q", outcome)) // retrying cannot fix it
 	}
-	switch r.Outcome {
+	switch outcome {
 	case outbox.SagaOutcomeDone:
 		return m.compensationDone(idx)
 	case outbox.SagaOutcomeFailed, outbox.SagaOutcomeRetry:
-		return m.retryOrGiveUp(idx, r.Outcome+": "+r.Reason)
+		return m.retryOrGiveUp(idx, outcome+": "+reason)
 	}
-	return m.stale(fmt.Sprintf("reply with unknown outcome %q", r.Outcome))
+	return m.stale(fmt.Sprintf("reply with unknown outcome %q", outcome))
 }
 
 func (m *machine) onTimer(t timer) error {
@@ -263,8 +329,7 @@ func (m *machine) onTimer(t timer) error {
 		if in.Step >= m.def.pivotIndex() {
 			return m.stale("deadline after the pivot: the saga can only go forward")
 		}
-		in.Steps[in.Step].Uncertain = true // the command in flight may still act
-		return m.actionFailed(in.Step, "saga deadline exceeded", true)
+		return m.interrupt("saga deadline exceeded")
 	case timerOperator:
 		return m.onOperator(t.Action)
 	case timerStep:
@@ -275,6 +340,12 @@ func (m *machine) onTimer(t timer) error {
 		return m.stale("timer of a step or attempt that is over")
 	}
 	switch t.Action {
+	case actRun:
+		if in.Waiting != waitRun {
+			return m.stale("run timer while not waiting to run a local step")
+		}
+		in.Waiting = waitReply
+		return m.send(in.Step, in.phase(), in.Attempt)
 	case actResend:
 		if in.Waiting != waitResend {
 			return m.stale("re-send timer while not waiting to re-send")
@@ -325,10 +396,21 @@ func (m *machine) onOperator(action string) error {
 		if in.Step >= m.def.pivotIndex() {
 			return m.stale("compensation requested after the pivot: the saga can only go forward")
 		}
-		in.Steps[in.Step].Uncertain = true
-		return m.actionFailed(in.Step, "compensation requested by an operator", true)
+		return m.interrupt("compensation requested by an operator")
 	}
 	return fmt.Errorf("saga: operator request %q unknown", action)
+}
+
+// interrupt fails the current step of a running saga from outside (its deadline, an
+// operator). A remote step's command may still act, so its effect is unknown and it is
+// compensated too; a local step between runs has no effect (its failed runs rolled back).
+func (m *machine) interrupt(reason string) error {
+	in := m.in
+	if m.def.step(in.Step).local {
+		return m.actionFailed(in.Step, reason, false)
+	}
+	in.Steps[in.Step].Uncertain = true // the command in flight may still act
+	return m.actionFailed(in.Step, reason, true)
 }
 
 // actionDone: step idx took effect; run OnReply, then the next step or completion.
@@ -467,6 +549,9 @@ func (m *machine) send(idx int, phase outbox.SagaPhase, attempt int) error {
 	in := m.in
 	st := m.def.step(idx)
 	rec := &in.Steps[idx]
+	if st.isLocal(phase) {
+		return m.runLocal(idx, phase, attempt)
+	}
 	topic, payload, err := m.def.command(idx, phase, in.Data)
 	if err != nil {
 		reason := fmt.Sprintf("build the %s command: %v", phase, err)
@@ -497,6 +582,25 @@ func (m *machine) send(idx int, phase outbox.SagaPhase, attempt int) error {
 	} else {
 		m.fx.setStep, m.fx.cancelStep = nil, true
 	}
+	return nil
+}
+
+// runLocal asks the caller to run step idx's local phase now, in this transition (fx.local):
+// no command, no reply timeout.
+func (m *machine) runLocal(idx int, phase outbox.SagaPhase, attempt int) error {
+	rec := &m.in.Steps[idx]
+	if phase == outbox.SagaPhaseAction {
+		rec.Status = stepRunning
+		rec.Attempts++
+	} else {
+		rec.Status = stepCompensating
+		rec.CompAttempts++
+	}
+	if rec.StartedAt == nil {
+		rec.StartedAt = m.stamp()
+	}
+	m.fx.local = &localRun{Step: idx, Phase: phase, Attempt: attempt}
+	m.fx.setStep, m.fx.cancelStep = nil, true
 	return nil
 }
 

@@ -60,6 +60,9 @@ func noteTransition(ctx context.Context, in *instance, fx *effects) {
 		return
 	}
 	span.SetAttributes(tracing.SagaState.String(string(in.State)))
+	for _, r := range fx.ran {
+		span.AddEvent("saga local step " + r.Step + ": " + string(r.Phase) + " " + r.Outcome)
+	}
 	if fx.stale != "" {
 		span.AddEvent("saga event ignored: " + fx.stale)
 	}

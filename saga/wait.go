@@ -25,6 +25,9 @@ const (
 	WaitReply = "reply"
 	// WaitResend: the last attempt failed; the command is re-sent, as the next attempt, at Due.
 	WaitResend = "resend"
+	// WaitRun: a local first step runs when an orchestrator's Run fires its timer, due at
+	// the start (StartTx without RunLocalSteps).
+	WaitRun = "run"
 	// WaitOperator: the saga is stuck; it waits for `onceflow saga retry` once the cause is fixed.
 	WaitOperator = "operator"
 )
@@ -32,8 +35,12 @@ const (
 // Wait says what an unfinished saga waits for: its current command, where that command is,
 // and the timer that ends the wait.
 type Wait struct {
-	// For is WaitRelay, WaitParked, WaitReply, WaitResend or WaitOperator.
+	// For is WaitRelay, WaitParked, WaitReply, WaitResend, WaitRun or WaitOperator.
 	For string
+	// Local is set when the step's phase waited on is local: it runs in an orchestrator's
+	// transaction, so the saga waits only for a re-run (WaitResend), its first run (WaitRun)
+	// or an operator, never for a relay or a reply.
+	Local bool
 	// Step, Phase and Attempt name the command waited on: the one sent last (for WaitResend,
 	// the attempt that failed; the re-send will be Attempt+1). Attempt counts every command
 	// of the step's phase, as the command's metadata and the COMMANDS list do.
@@ -64,6 +71,7 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer) (
 	}
 	rec := in.Steps[in.Step]
 	w := &Wait{Step: rec.Name, Phase: in.phase(), Attempt: in.Attempt, LastError: rec.LastError}
+	w.Local = (w.Phase == outbox.SagaPhaseAction && rec.Local) || (w.Phase == outbox.SagaPhaseCompensation && rec.LocalCompensation)
 	for i := len(rec.Sent) - 1; i >= 0; i-- {
 		if c := rec.Sent[i]; c.Phase == w.Phase && c.Attempt == in.Attempt {
 			w.Topic, w.EventID, w.Since = c.Topic, c.EventID, c.At
@@ -82,6 +90,9 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer) (
 		return w, nil
 	case in.Waiting == waitResend:
 		w.For = WaitResend
+		return w, nil
+	case in.Waiting == waitRun:
+		w.For = WaitRun
 		return w, nil
 	}
 	w.For, w.LastError = WaitReply, ""

@@ -228,3 +228,52 @@ func TestSagaShowSaysWhatItWaitsFor(t *testing.T) {
 		t.Errorf("saga show does not say %q:\n%s", want, r.stdout)
 	}
 }
+
+// `saga show` of a saga with local steps: the steps table marks them; a local first step not
+// run yet waits for its first run, and one whose run failed waits for a re-run.
+func TestSagaShowLocalSteps(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	env := map[string]string{"DATABASE_URL": db.URL, "ONCEFLOW_SCHEMA": db.Schema}
+	build := func(o order) (any, error) { return o, nil }
+	def := saga.MustDefine("checkout", 1, []*saga.StepDef[order]{
+		saga.Step[order]("place").Local(func(context.Context, pgx.Tx, *order) error { return errors.New("orders table locked") }).
+			CompensateLocal(func(context.Context, pgx.Tx, *order) error { return nil }).Attempts(3, time.Hour),
+		saga.Step[order]("charge").Send("charge", build),
+	})
+	w, err := outbox.NewWriter(outbox.Config{Schema: db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		_, err := saga.StartTx(ctx, tx, def, order{ID: "o-1"}, saga.WithID("o-1"), saga.WithWriter(w))
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	show := func(what string, wants ...string) {
+		t.Helper()
+		r := runCmd(ctx, env, "saga", "show", "o-1").expect(t, "saga show "+what, 0)
+		for _, want := range wants {
+			if !strings.Contains(r.stdout, want) {
+				t.Errorf("saga show of a saga %s does not say %q:\n%s", what, want, r.stdout)
+			}
+		}
+	}
+	show("before its local first step ran", "waiting for: its first run: local step place runs in a transaction of an orchestrator's Run, due ",
+		"place   pending (local)  0 ")
+
+	orch, err := saga.NewOrchestrator(saga.OrchestratorConfig{Pool: db.Pool, Schema: db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := saga.Register(orch, def); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := orch.FireDue(ctx); err != nil || n != 1 {
+		t.Fatalf("fired %d timers: %v", n, err)
+	}
+	show("whose local step failed", "waiting for: a re-run: attempt 1 of local step place (action) failed and was rolled back (retry: orders table locked); attempt 2 runs in an orchestrator's transaction at ",
+		"running (local)  1 ", "retry: orders table locked")
+}

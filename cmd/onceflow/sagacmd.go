@@ -127,6 +127,14 @@ func (c *cli) sagaShow(ctx context.Context, args []string) error {
 		if s.Uncertain {
 			status += " (uncertain)"
 		}
+		switch {
+		case s.Local && s.LocalCompensation:
+			status += " (local)"
+		case s.Local:
+			status += " (local action)"
+		case s.LocalCompensation:
+			status += " (local compensation)"
+		}
 		p.f("%s\t%s\t%d\t%d\t%s\t%s\t%s\n", s.Name, status, s.Attempts, s.CompAttempts, fmtTimePtr(s.StartedAt), fmtTimePtr(s.FinishedAt), oneLine(s.LastError))
 	}
 	// Every command in the order it was written, across steps: an action and, later, its
@@ -191,11 +199,25 @@ func waitText(d *saga.Detail) string {
 	case saga.WaitReply:
 		return fmt.Sprintf("the reply to %s, published; written %s (%s ago)%s", cmd, fmtTime(w.Since), ago(w.Since), timeout)
 	case saga.WaitResend:
+		if w.Local {
+			s := fmt.Sprintf("a re-run: attempt %d of local step %s (%s) failed and was rolled back (%s); attempt %d runs in an orchestrator's transaction",
+				w.Attempt, w.Step, w.Phase, oneLine(w.LastError), w.Attempt+1)
+			if w.Due != nil {
+				return s + fmt.Sprintf(" at %s (%s)", fmtTime(*w.Due), until(*w.Due))
+			}
+			return s + " when an orchestrator runs"
+		}
 		s := fmt.Sprintf("a re-send: attempt %d of step %s failed (%s); attempt %d", w.Attempt, w.Step, oneLine(w.LastError), w.Attempt+1)
 		if w.Due != nil {
 			return s + fmt.Sprintf(" goes out at %s (%s)", fmtTime(*w.Due), until(*w.Due))
 		}
 		return s + " goes out when an orchestrator runs"
+	case saga.WaitRun:
+		s := fmt.Sprintf("its first run: local step %s runs in a transaction of an orchestrator's Run", w.Step)
+		if w.Due != nil {
+			return s + fmt.Sprintf(", due %s (%s); is an orchestrator running?", fmtTime(*w.Due), until(*w.Due))
+		}
+		return s
 	case saga.WaitOperator:
 		s := fmt.Sprintf("an operator: the %s of step %s did not succeed in %s", w.Phase, w.Step, plural(w.Attempt, "attempt"))
 		for _, t := range d.Timers {

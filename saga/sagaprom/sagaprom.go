@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/saga"
 )
 
@@ -23,6 +24,7 @@ import (
 //	onceflow_saga_ignored_total{saga}           late, duplicate-attempt or unknown replies and timers
 //	onceflow_saga_barrier_total{consumer, outcome}  outcome: duplicate, null_compensation, hanging_action
 //	onceflow_saga_step_errors_total{consumer}   commands whose handler kept failing, answered as failed attempts
+//	onceflow_saga_local_steps_total{saga, step, phase, outcome}  local step runs; outcome: done, failed, retry
 type Metrics struct {
 	saga.NopMetrics
 	started  *prometheus.CounterVec
@@ -32,6 +34,7 @@ type Metrics struct {
 	ignored  *prometheus.CounterVec
 	barrier  *prometheus.CounterVec
 	errors   *prometheus.CounterVec
+	local    *prometheus.CounterVec
 }
 
 var _ saga.Metrics = (*Metrics)(nil)
@@ -58,8 +61,9 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		ignored: counter("ignored_total", "Replies, timers and operator requests that changed nothing (late, for a finished saga, ...).", "saga"),
 		barrier: counter("barrier_total", "Commands a participant's barrier skipped or short-cut, by outcome (duplicate, null_compensation, hanging_action).", "consumer", "outcome"),
 		errors:  counter("step_errors_total", "Commands whose handler kept failing with an ordinary error, answered as failed attempts carrying it.", "consumer"),
+		local:   counter("local_steps_total", "Local step runs (in the orchestrator's transaction) that committed, by outcome (done, failed, retry).", "saga", "step", "phase", "outcome"),
 	}
-	for _, c := range []prometheus.Collector{m.started, m.finished, m.duration, m.stuck, m.ignored, m.barrier, m.errors} {
+	for _, c := range []prometheus.Collector{m.started, m.finished, m.duration, m.stuck, m.ignored, m.barrier, m.errors, m.local} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -94,3 +98,8 @@ func (m *Metrics) Barrier(consumer string, o saga.BarrierOutcome) {
 
 // StepError implements saga.Metrics.
 func (m *Metrics) StepError(consumer string) { m.errors.WithLabelValues(consumer).Inc() }
+
+// LocalStep implements saga.Metrics.
+func (m *Metrics) LocalStep(name, step string, phase outbox.SagaPhase, outcome string) {
+	m.local.WithLabelValues(name, step, string(phase), outcome).Inc()
+}

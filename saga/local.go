@@ -1,0 +1,90 @@
+package saga
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
+)
+
+var errLocalTxManaged = fmt.Errorf("%w (saga local step: the orchestrator commits it with the saga's transition; to abort, return an error)", outbox.ErrTxManaged)
+
+// runLocals is the store layer's half of local steps: while the machine asks for a local run
+// (fx.local), it runs that step in tx and feeds the outcome back, so consecutive local steps
+// run in this one transition, until a remote step sends its command, a run failed (a re-run
+// timer is set) or the saga ended. Then, when the saga ended, the definition's end hook
+// (OnCompleted, OnCompensated) runs in tx. An error is the transition's: tx must be rolled
+// back.
+func runLocals(ctx context.Context, tx pgx.Tx, m *machine) error {
+	for m.fx.local != nil {
+		r := *m.fx.local
+		m.fx.local = nil
+		data, stepErr, err := runLocalStep(ctx, tx, m.def, m.in, r)
+		if err != nil {
+			return fmt.Errorf("saga %q (%s): local step %q: %w", m.in.ID, m.in.Name, m.def.step(r.Step).name, err)
+		}
+		if err := m.local(r, localOutcome{Data: data, Err: stepErr}); err != nil {
+			return fmt.Errorf("saga %q (%s): %w", m.in.ID, m.in.Name, err)
+		}
+	}
+	if m.fx.finished == "" {
+		return nil
+	}
+	view, done := pgsql.ManagedTx(tx, errLocalTxManaged)
+	data, ran, err := m.def.runEnd(ctx, view, m.fx.finished, m.in.Data)
+	if misuse := done(); misuse != nil && err == nil {
+		err = misuse
+	}
+	if err != nil {
+		return fmt.Errorf("saga %q (%s): the %s hook: %w", m.in.ID, m.in.Name, m.fx.finished, err)
+	}
+	if ran {
+		m.in.Data = data
+	}
+	return nil
+}
+
+// runLocalStep runs one local run in a savepoint of tx: on success the savepoint is
+// released and the new data returned; when the step fails (stepErr), its writes are rolled
+// back to the savepoint and tx goes on. err, when set, fails the whole transition: a
+// transient database error (a deadlock, a lost connection: tried again, no attempt counted)
+// or a transaction the step ended.
+//
+// One savepoint per local run: a transition runs a few local steps, far from the 64
+// subtransactions per transaction beyond which PostgreSQL's per-backend subtransaction cache
+// overflows (DESIGN.md, Known traps). That trap is about a savepoint per message in large
+// batches, which remote steps and sagas without local steps never take. A batch of replies
+// (ProcessBatch) or timers (at most TimerBatch, 60) takes one per local run of each of its
+// sagas, so a large batch of replies that each reach a local step can pass 64: a throughput
+// concern (SubtransSLRU contention), not a correctness one.
+func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, r localRun) (data json.RawMessage, stepErr, err error) {
+	if _, err := tx.Exec(ctx, `SAVEPOINT onceflow_saga_local`); err != nil {
+		return nil, nil, err
+	}
+	view, done := pgsql.ManagedTx(tx, errLocalTxManaged)
+	data, stepErr = def.runLocal(ctx, view, r.Step, r.Phase, in.Data)
+	if misuse := done(); misuse != nil && stepErr == nil {
+		stepErr = misuse
+	}
+	if stepErr == nil {
+		if _, err := tx.Exec(ctx, `RELEASE SAVEPOINT onceflow_saga_local`); err != nil {
+			return nil, nil, err
+		}
+		return data, nil, nil
+	}
+	var oe *outcomeError
+	if !errors.As(stepErr, &oe) && (pgsql.IsTransient(stepErr) || ctx.Err() != nil) {
+		// Not the step's failure: the database's, or the message's context ended (a
+		// rebalance, a shutdown). No run is counted; the transition is tried again.
+		return nil, nil, stepErr
+	}
+	if _, err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_local`); err != nil {
+		return nil, nil, fmt.Errorf("roll back its writes after %w: %w", stepErr, err)
+	}
+	return nil, stepErr, nil
+}
