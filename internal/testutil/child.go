@@ -49,7 +49,7 @@ func StartChild(t testing.TB, env []string, onLine func(line string)) *Child {
 		}
 		_, _ = io.Copy(io.Discard, stdout)
 	}()
-	go func() { _ = cmd.Wait(); pw.Close(); <-read; close(c.Exited) }()
+	go func() { _ = cmd.Wait(); _ = pw.Close(); <-read; close(c.Exited) }()
 	t.Cleanup(func() {
 		select {
 		case <-c.Exited:
