@@ -101,6 +101,7 @@ var scenarios = []scenario{
 	{"inbox_cleanup", benchInboxCleanup},
 	{"http", benchHTTP},
 	{"saga", benchSaga},
+	{"saga_local", benchSagaLocal},
 	{"stats", benchStats},
 	{"tracing", benchTracing},
 }

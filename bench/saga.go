@@ -59,22 +59,36 @@ func (d *durations) Completed(_ string, took time.Duration) {
 
 func (d *durations) Compensated(string, time.Duration) { d.done.Add(1) }
 
-// sagaFigures are one consumer mode's measurements.
+// sagaFigures are one run's measurements.
 type sagaFigures struct {
 	rate             float64       // sagas/s, sagaBenchWriters writers
 	p50, p99         time.Duration // start → completed at sagaLatencyRate
 	slowP50, slowP99 time.Duration // at sagaSlowRate
+	// txPerSaga and msgPerSaga: the transactions a saga costs (its start, and one per command
+	// and per reply applied, as the per-message path commits them: counted from the dedup
+	// rows) and the messages the relay published for it (outbox rows written), per saga.
+	txPerSaga, msgPerSaga float64
 }
+
+// sagaShape is the saga a run measures: its steps, which of them are local (run in the
+// orchestrator's transaction), and how the consumers take their messages.
+type sagaShape struct {
+	batched bool
+	steps   []string
+	local   map[string]bool
+}
+
+var threeRemote = []string{"reserve", "charge", "confirm"}
 
 // benchSaga runs the scenario twice, same run: the consumers under a Watermill router
 // (watermill-kafka, one message per transaction: the baseline) and on
 // inboxkafka.BatchConsumer (many messages of a partition per transaction).
 func benchSaga(ctx context.Context, e *env) ([]result, error) {
-	per, err := runSagaBench(ctx, e, false)
+	per, err := runSagaBench(ctx, e, sagaShape{steps: threeRemote})
 	if err != nil {
 		return nil, fmt.Errorf("per-message: %w", err)
 	}
-	bat, err := runSagaBench(ctx, e, true)
+	bat, err := runSagaBench(ctx, e, sagaShape{batched: true, steps: threeRemote})
 	if err != nil {
 		return nil, fmt.Errorf("batched: %w", err)
 	}
@@ -91,8 +105,36 @@ func benchSaga(ctx context.Context, e *env) ([]result, error) {
 	}, nil
 }
 
-func runSagaBench(ctx context.Context, e *env, batched bool) (sagaFigures, error) {
+// benchSagaLocal: the checkout shape with the orchestrator's own steps local — place (local) →
+// reserve → charge → confirm (local) — against the same four steps all remote, same run,
+// batched consumers. A local step is one INSERT in the orchestrator's transaction; the first
+// runs in StartTx's transaction (saga.RunLocalSteps).
+func benchSagaLocal(ctx context.Context, e *env) ([]result, error) {
+	four := []string{"place", "reserve", "charge", "confirm"}
+	remote, err := runSagaBench(ctx, e, sagaShape{batched: true, steps: four})
+	if err != nil {
+		return nil, fmt.Errorf("all remote: %w", err)
+	}
+	local, err := runSagaBench(ctx, e, sagaShape{batched: true, steps: four, local: map[string]bool{"place": true, "confirm": true}})
+	if err != nil {
+		return nil, fmt.Errorf("local: %w", err)
+	}
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+	return []result{
+		{Scenario: "saga_local", System: "all-remote", Value: remote.rate, Unit: "sagas/s", HigherIsBetter: true},
+		{Scenario: "saga_local", System: "onceflow", Value: local.rate, Unit: "sagas/s", HigherIsBetter: true, Target: "≥ 1.5× all-remote"},
+		{Scenario: "saga_local_p99", System: "all-remote", Value: ms(remote.p99), Unit: "ms"},
+		{Scenario: "saga_local_p99", System: "onceflow", Value: ms(local.p99), Unit: "ms", Target: fmt.Sprintf("lower than all-remote, at %d sagas/s", sagaLatencyRate)},
+		{Scenario: "saga_local_tx", System: "all-remote", Value: remote.txPerSaga, Unit: "tx/saga"},
+		{Scenario: "saga_local_tx", System: "onceflow", Value: local.txPerSaga, Unit: "tx/saga", Target: "5 or 6 vs 9"},
+		{Scenario: "saga_local_msgs", System: "all-remote", Value: remote.msgPerSaga, Unit: "msg/saga"},
+		{Scenario: "saga_local_msgs", System: "onceflow", Value: local.msgPerSaga, Unit: "msg/saga", Target: "4 vs 8"},
+	}, nil
+}
+
+func runSagaBench(ctx context.Context, e *env, shape sagaShape) (sagaFigures, error) {
 	var fig sagaFigures
+	batched := shape.batched
 	pool, schema, err := e.freshSchema(ctx, "saga")
 	if err != nil {
 		return fig, err
@@ -116,9 +158,20 @@ func runSagaBench(ctx context.Context, e *env, batched bool) (sagaFigures, error
 	}
 	build := func(d sagaBenchData) (any, error) { return d, nil }
 	var steps []*saga.StepDef[sagaBenchData]
-	for _, s := range []string{"reserve", "charge", "confirm"} {
-		st := saga.Step[sagaBenchData](s).Send("bench."+s, build)
-		if s != "confirm" {
+	var remote []string // the steps that have a participant
+	for _, s := range shape.steps {
+		st := saga.Step[sagaBenchData](s)
+		if shape.local[s] {
+			step := s
+			st.Local(func(ctx context.Context, tx pgx.Tx, d *sagaBenchData) error {
+				_, err := tx.Exec(ctx, `INSERT INTO effect (saga, step) VALUES ($1, $2)`, fmt.Sprint(d.N), step)
+				return err
+			})
+		} else {
+			st.Send("bench."+s, build)
+			remote = append(remote, s)
+		}
+		if s != "confirm" && !shape.local[s] {
 			st.Compensate("bench.undo."+s, build)
 		}
 		steps = append(steps, st)
@@ -162,7 +215,7 @@ func runSagaBench(ctx context.Context, e *env, batched bool) (sagaFigures, error
 			}
 			return err
 		}
-		for _, s := range def.Steps() {
+		for _, s := range remote {
 			p, err := saga.NewParticipant(saga.ParticipantConfig{Pool: pool, Schema: schema, Consumer: "bench-" + s, Writer: w, Logger: e.log})
 			if err != nil {
 				return fig, err
@@ -189,7 +242,7 @@ func runSagaBench(ctx context.Context, e *env, batched bool) (sagaFigures, error
 			}
 			return sub, err
 		}
-		for _, s := range def.Steps() {
+		for _, s := range remote {
 			p, err := saga.NewParticipant(saga.ParticipantConfig{Pool: pool, Schema: schema, Consumer: "bench-" + s, Writer: w, Logger: e.log})
 			if err != nil {
 				return fig, err
@@ -237,7 +290,7 @@ func runSagaBench(ctx context.Context, e *env, batched bool) (sagaFigures, error
 	}
 	start := func(n int) error {
 		return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			_, err := saga.StartTx(ctx, tx, def, sagaBenchData{N: n}, saga.WithWriter(w))
+			_, err := saga.StartTx(ctx, tx, def, sagaBenchData{N: n}, saga.WithWriter(w), saga.RunLocalSteps())
 			return err
 		})
 	}
@@ -333,8 +386,20 @@ func runSagaBench(ctx context.Context, e *env, batched bool) (sagaFigures, error
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM effect`).Scan(&effects); err != nil {
 		return fig, err
 	}
-	if want := 3 * (1 + sagaBenchSagas + sagaLatencySagas + sagaSlowSagas); effects != want {
+	sagas := 1 + sagaBenchSagas + sagaLatencySagas + sagaSlowSagas
+	if want := len(shape.steps) * sagas; effects != want {
 		return fig, fmt.Errorf("saga bench: %d effects, want %d", effects, want)
 	}
+	// Commands and replies applied (their dedup rows; barrier rows are "saga-barrier:"), and
+	// the outbox rows written (the identity's last value: the relay deleted them).
+	var applied, written int64
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_event WHERE dedup_key LIKE 'saga:%'`).Scan(&applied); err != nil {
+		return fig, err
+	}
+	if err := pool.QueryRow(ctx, `SELECT coalesce(max(last_value), 0) FROM pg_sequences WHERE schemaname = $1 AND sequencename LIKE 'outbox%'`, schema).Scan(&written); err != nil {
+		return fig, err
+	}
+	fig.txPerSaga = float64(int64(sagas)+applied) / float64(sagas)
+	fig.msgPerSaga = float64(written) / float64(sagas)
 	return fig, nil
 }
