@@ -45,7 +45,30 @@ var (
 // order on one in-memory row, and the rows, timers and every command they send go to the
 // server in one pipelined round trip before the commit. A reply whose transition cannot be
 // computed fails the batch as an *inbox.MessageError naming it.
-func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message) (err error) {
+//
+// When a registered definition has local steps, each of which runs in a savepoint, the batch
+// is applied in several transactions of at most 60 ÷ (local steps per transition) replies,
+// so that no transaction takes more than 60 savepoints.
+func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
+	n := o.perTransaction()
+	if n == 0 || len(msgs) <= n {
+		return o.processBatch(ctx, msgs)
+	}
+	for from := 0; from < len(msgs); from += n {
+		err := o.processBatch(ctx, msgs[from:min(from+n, len(msgs))])
+		var me *inbox.MessageError
+		if errors.As(err, &me) && me.Index >= 0 {
+			// The chunks before committed; the consumer applies them again as duplicates.
+			return &inbox.MessageError{Index: from + me.Index, Err: me.Err}
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message) (err error) {
 	type reply struct {
 		index int
 		msg   *message.Message

@@ -60,8 +60,8 @@ func runLocals(ctx context.Context, tx pgx.Tx, m *machine) error {
 // overflows (DESIGN.md, Known traps). That trap is about a savepoint per message in large
 // batches, which remote steps and sagas without local steps never take. A batch of replies
 // (ProcessBatch) or timers (at most TimerBatch, 60) takes one per local run of each of its
-// sagas, so a large batch of replies that each reach a local step can pass 64: a throughput
-// concern (SubtransSLRU contention), not a correctness one.
+// sagas: the orchestrator splits such batches (ProcessBatch, and the timer batch) so that one
+// transaction takes at most 60 (Orchestrator.perTransaction).
 func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, r localRun) (data json.RawMessage, stepErr, err error) {
 	if _, err := tx.Exec(ctx, `SAVEPOINT onceflow_saga_local`); err != nil {
 		return nil, nil, err

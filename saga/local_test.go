@@ -548,3 +548,32 @@ func TestLocalStepCommitsWithTheTransitionOrNot(t *testing.T) {
 		}
 	})
 }
+
+// Replies of many sagas in one batch, each reaching local steps (one savepoint per local run):
+// the orchestrator applies the batch in several transactions, so none takes more than 60
+// savepoints (PostgreSQL's subtransaction cache overflows beyond 64).
+func TestLocalStepsInLargeBatchesStayUnderTheSavepointCap(t *testing.T) {
+	t.Parallel()
+	w := newLocalWorld(t, true, []string{"reserve", "+note", "+mark", "charge", "+confirm"}, nil)
+	var ids []string
+	for i := range 70 {
+		ids = append(ids, w.start(fmt.Sprintf("o-%02d", i)))
+	}
+	for _, id := range ids {
+		if d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated); d.State != saga.StateCompleted {
+			t.Fatalf("saga %s: %s (%s)", id, d.State, d.Error)
+		}
+	}
+	// Three local steps per definition: at most 20 transitions, 60 local runs, per transaction.
+	var most, txs int
+	if err := w.db.Pool.QueryRow(context.Background(), `SELECT max(n), count(*) FROM (SELECT count(*) AS n FROM `+w.db.Schema+
+		`.local_run GROUP BY txid) t`).Scan(&most, &txs); err != nil {
+		t.Fatal(err)
+	}
+	if most > 60 {
+		t.Fatalf("a transaction ran %d local steps (savepoints), over 60", most)
+	}
+	if txs < 2*4 { // note+mark after reserve, confirm after charge: 70 sagas, chunks of 20 each time
+		t.Fatalf("%d transactions ran local steps; want the batches of 70 replies split", txs)
+	}
+}

@@ -85,7 +85,34 @@ type Orchestrator struct {
 
 	mu   sync.RWMutex
 	defs map[defKey]definition
-	tr   *tracing.Tracer // trace.go
+	// maxLocal is the most local runs one transition of a registered definition can make
+	// (its local actions and local compensations): each takes a savepoint (saga/local.go).
+	maxLocal int
+	tr       *tracing.Tracer // trace.go
+}
+
+// maxSavepoints bounds the savepoints of one transaction: beyond 64 subtransactions
+// PostgreSQL's per-backend cache overflows and every snapshot slows down (DESIGN.md, Known
+// traps).
+const maxSavepoints = 60
+
+// perTransaction is how many replies or timers one transaction may apply so that their local
+// steps stay within maxSavepoints; 0 when no registered definition has local steps.
+func (o *Orchestrator) perTransaction() int {
+	o.mu.RLock()
+	defer o.mu.RUnlock()
+	if o.maxLocal == 0 {
+		return 0
+	}
+	return max(1, maxSavepoints/o.maxLocal)
+}
+
+// timerBatch is TimerBatch, lowered so a batch's local steps stay within maxSavepoints.
+func (o *Orchestrator) timerBatch() int {
+	if n := o.perTransaction(); n > 0 {
+		return min(o.cfg.TimerBatch, n)
+	}
+	return o.cfg.TimerBatch
 }
 
 type defKey struct {
@@ -164,6 +191,17 @@ func Register[D any](o *Orchestrator, def *Definition[D]) error {
 		return fmt.Errorf("saga: definition %q version %d is registered already", k.name, k.version)
 	}
 	o.defs[k] = def
+	n := 0
+	for i := range def.stepCount() {
+		p := def.step(i)
+		if p.local {
+			n++
+		}
+		if p.compLocal {
+			n++
+		}
+	}
+	o.maxLocal = max(o.maxLocal, n)
 	return nil
 }
 
@@ -373,7 +411,7 @@ func (o *Orchestrator) Run(ctx context.Context) error {
 func (o *Orchestrator) fireAll(ctx context.Context) error {
 	for {
 		n, err := o.FireDue(ctx)
-		if err != nil || n < o.cfg.TimerBatch {
+		if err != nil || n < o.timerBatch() {
 			return err
 		}
 	}
@@ -386,7 +424,7 @@ func (o *Orchestrator) fireAll(ctx context.Context) error {
 // the others. Any other failure (claiming the timers, the database) is returned as it is:
 // firing one at a time would only fail the same way.
 func (o *Orchestrator) FireDue(ctx context.Context) (int, error) {
-	n, err := o.fireBatch(ctx, o.cfg.TimerBatch)
+	n, err := o.fireBatch(ctx, o.timerBatch())
 	var failed *timerError
 	if err == nil || ctx.Err() != nil || !errors.As(err, &failed) {
 		return n, err
@@ -394,7 +432,7 @@ func (o *Orchestrator) FireDue(ctx context.Context) (int, error) {
 	o.cfg.Logger.Warn("saga: a timer's transition failed, so its batch was rolled back; firing the batch's timers one at a time",
 		"saga_id", failed.sagaID, "kind", failed.kind, "err", failed.err)
 	fired := 0
-	for range o.cfg.TimerBatch {
+	for range o.timerBatch() {
 		n, err := o.fireBatch(ctx, 1)
 		var te *timerError
 		switch {
