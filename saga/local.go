@@ -120,3 +120,34 @@ func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, 
 	}
 	return nil, stepErr, nil
 }
+
+// runReplyTx returns the machine's replyTx for a transition in tx: it runs a step's
+// OnReplyTx handler in a savepoint of tx, as runLocalStep runs a local step. The handler's
+// own error rolls its writes back and is returned (the step is compensated); a transient
+// database error, the context's end or a failed rollback comes back as a transitionError,
+// which fails the whole transition.
+func runReplyTx(ctx context.Context, tx pgx.Tx, def definition, in *instance) func(int, json.RawMessage, Reply) (json.RawMessage, error) {
+	return func(idx int, raw json.RawMessage, r Reply) (json.RawMessage, error) {
+		if _, err := tx.Exec(ctx, `SAVEPOINT onceflow_saga_reply`); err != nil {
+			return nil, transitionError{err}
+		}
+		view, done := pgsql.ManagedTx(tx, errLocalTxManaged)
+		data, err := def.onReplyTx(withLocalRun(ctx, in, def.step(idx).name, outbox.SagaPhaseAction, r.Attempt), view, idx, raw, r)
+		if misuse := done(); misuse != nil && err == nil {
+			err = misuse
+		}
+		if err == nil {
+			if _, err := tx.Exec(ctx, `RELEASE SAVEPOINT onceflow_saga_reply`); err != nil {
+				return nil, transitionError{err}
+			}
+			return data, nil
+		}
+		if pgsql.IsTransient(err) || ctx.Err() != nil {
+			return nil, transitionError{err}
+		}
+		if _, rbErr := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_reply`); rbErr != nil {
+			return nil, transitionError{fmt.Errorf("roll back its writes after %w: %w", err, rbErr)}
+		}
+		return nil, err
+	}
+}
