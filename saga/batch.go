@@ -156,9 +156,12 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 			return &inbox.MessageError{Index: r.index, Err: err}
 		}
 		mctx, span := startMessage(o.tr, r.msg, r.ref, o.cfg.Consumer)
-		m := &machine{def: def, now: now, in: in}
+		m := &machine{def: def, now: now, in: in, replyTx: runReplyTx(mctx, tx, def, in)}
 		if err := m.apply(replyOf(r.msg, r.ref)); err != nil {
 			endMessage(span, err)
+			if pgsql.IsTransient(err) {
+				return err // an OnReplyTx handler's: the batch's failure, not the reply's
+			}
 			return &inbox.MessageError{Index: r.index, Err: fmt.Errorf("saga %q (%s): %w", in.ID, in.Name, err)}
 		}
 		applied = append(applied, done{mctx, in, &m.fx, span})

@@ -62,6 +62,7 @@ type StepDef[D any] struct {
 	topic      string
 	command    func(D) (any, error)
 	onReply    func(*D, Reply) error
+	onReplyTx  ReplyTxFunc[D]
 	compTopic  string
 	compensate func(D) (any, error)
 	attempts   int
@@ -96,6 +97,23 @@ func (s *StepDef[D]) Send(topic string, build func(D) (any, error)) *StepDef[D] 
 // effect (the step is compensated). Optional: without it the reply's payload is ignored.
 func (s *StepDef[D]) OnReply(h func(data *D, r Reply) error) *StepDef[D] {
 	s.onReply = h
+	return s
+}
+
+// ReplyTxFunc is a reply handler that runs in the transaction of the orchestrator's
+// transition (see OnReplyTx).
+type ReplyTxFunc[D any] func(ctx context.Context, tx pgx.Tx, data *D, r Reply) error
+
+// OnReplyTx is OnReply with the transition's transaction: h runs in the transaction that
+// claims the reply and stores the saga's new state, so its writes in the orchestrator's own
+// database (the reservation id on the order row, an audit row) commit with the transition,
+// exactly once, or not at all. It runs in a savepoint: when it returns an error, its writes are
+// rolled back and the step is compensated with the steps before it, as with OnReply. A
+// transient database error (a deadlock, a lost connection) fails the whole transition instead,
+// which is tried again when the reply is redelivered. saga.LocalRunFrom(ctx) describes the
+// saga. A step has OnReply or OnReplyTx, not both, and a local step has neither.
+func (s *StepDef[D]) OnReplyTx(h ReplyTxFunc[D]) *StepDef[D] {
+	s.onReplyTx = h
 	return s
 }
 
@@ -287,12 +305,15 @@ func Define[D any](name string, version int, steps []*StepDef[D], opts ...Option
 		switch {
 		case s.local != nil && (s.topic != "" || s.command != nil):
 			problems = append(problems, fmt.Errorf("%s: both Local and Send; a step is either local or sends a command", where))
-		case s.local != nil && s.onReply != nil:
+		case s.local != nil && (s.onReply != nil || s.onReplyTx != nil):
 			problems = append(problems, fmt.Errorf("%s: OnReply on a local step, which gets no reply; change the data in its Local function", where))
 		case s.local != nil && s.timeout != 0:
 			problems = append(problems, fmt.Errorf("%s: Timeout on a local step, which runs in the transition; remove it", where))
 		case s.local == nil && (s.topic == "" || s.command == nil):
 			problems = append(problems, fmt.Errorf("%s: no command; call Send(topic, build), or Local(fn) for a local step", where))
+		}
+		if s.onReply != nil && s.onReplyTx != nil {
+			problems = append(problems, fmt.Errorf("%s: both OnReply and OnReplyTx; a step has one reply handler", where))
 		}
 		if (s.compTopic == "") != (s.compensate == nil) {
 			problems = append(problems, fmt.Errorf("%s: Compensate needs both a topic and a build function", where))
@@ -394,6 +415,8 @@ type definition interface {
 	encodeData(data any) (json.RawMessage, error)
 	command(i int, phase outbox.SagaPhase, data json.RawMessage) (topic string, payload []byte, err error)
 	onReply(i int, data json.RawMessage, r Reply) (json.RawMessage, error)
+	// onReplyTx runs step i's OnReplyTx handler in tx.
+	onReplyTx(ctx context.Context, tx pgx.Tx, i int, data json.RawMessage, r Reply) (json.RawMessage, error)
 	// runLocal runs the local action or compensation of step i on data in tx; runEnd the
 	// hook of the end state s, if any. Both return the data after it (unchanged when none).
 	runLocal(ctx context.Context, tx pgx.Tx, i int, phase outbox.SagaPhase, data json.RawMessage) (json.RawMessage, error)
@@ -410,6 +433,8 @@ type stepPolicy struct {
 	// local and compLocal: the action and the compensation run in the orchestrator's
 	// transaction instead of being sent.
 	local, compLocal bool
+	// replyTx: the reply handler needs the transition's transaction (OnReplyTx).
+	replyTx bool
 }
 
 func (p stepPolicy) hasCompensation() bool { return p.comp }
@@ -432,7 +457,8 @@ func (d *Definition[D]) compensationBackoff() time.Duration { return d.opts.comp
 func (d *Definition[D]) step(i int) stepPolicy {
 	s := d.steps[i]
 	return stepPolicy{name: s.name, attempts: s.attempts, backoff: s.backoff, timeout: s.timeout,
-		comp: s.compensate != nil || s.compLocal != nil, local: s.local != nil, compLocal: s.compLocal != nil}
+		comp: s.compensate != nil || s.compLocal != nil, local: s.local != nil, compLocal: s.compLocal != nil,
+		replyTx: s.onReplyTx != nil}
 }
 
 func (d *Definition[D]) stepIndex(name string) int {
@@ -491,6 +517,14 @@ func (d *Definition[D]) onReply(i int, raw json.RawMessage, r Reply) (json.RawMe
 		return nil, err
 	}
 	return json.Marshal(data)
+}
+
+func (d *Definition[D]) onReplyTx(ctx context.Context, tx pgx.Tx, i int, raw json.RawMessage, r Reply) (json.RawMessage, error) {
+	h := d.steps[i].onReplyTx
+	if h == nil {
+		return nil, fmt.Errorf("saga %q: step %q has no OnReplyTx handler", d.name, d.steps[i].name)
+	}
+	return d.runFunc(ctx, tx, func(ctx context.Context, tx pgx.Tx, data *D) error { return h(ctx, tx, data, r) }, raw)
 }
 
 func (d *Definition[D]) runLocal(ctx context.Context, tx pgx.Tx, i int, phase outbox.SagaPhase, raw json.RawMessage) (json.RawMessage, error) {

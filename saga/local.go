@@ -12,6 +12,38 @@ import (
 	"github.com/onceflow/onceflow/outbox"
 )
 
+// LocalRun describes the saga a local step, local compensation or ending hook (OnCompleted,
+// OnCompensated) runs for; read it with LocalRunFrom in that function.
+type LocalRun struct {
+	// ID, Name and Version identify the saga and its definition.
+	ID      string
+	Name    string
+	Version int
+	// Step and Phase name the step being run; both are empty in an ending hook.
+	Step  string
+	Phase outbox.SagaPhase
+	// Attempt is the run's number (1 for the first run); 0 in an ending hook.
+	Attempt int
+	// Error is the saga's error: why it compensates (a participant's failure, a local step's
+	// saga.Fail, a deadline, an operator), empty while it goes forward. The saga row is
+	// stored after the function returns, so this, not the row, is the current reason.
+	Error string
+}
+
+type localRunKey struct{}
+
+// LocalRunFrom returns the saga that the local function ctx was given to runs for: a local
+// step's action or compensation, or an ending hook. ok is false for any other context.
+func LocalRunFrom(ctx context.Context) (r LocalRun, ok bool) {
+	r, ok = ctx.Value(localRunKey{}).(LocalRun)
+	return r, ok
+}
+
+func withLocalRun(ctx context.Context, in *instance, step string, phase outbox.SagaPhase, attempt int) context.Context {
+	return context.WithValue(ctx, localRunKey{}, LocalRun{ID: in.ID, Name: in.Name, Version: in.Version,
+		Step: step, Phase: phase, Attempt: attempt, Error: in.Error})
+}
+
 var errLocalTxManaged = fmt.Errorf("%w (saga local step: the orchestrator commits it with the saga's transition; to abort, return an error)", outbox.ErrTxManaged)
 
 // runLocals is the store layer's half of local steps: while the machine asks for a local run
@@ -36,7 +68,7 @@ func runLocals(ctx context.Context, tx pgx.Tx, m *machine) error {
 		return nil
 	}
 	view, done := pgsql.ManagedTx(tx, errLocalTxManaged)
-	data, ran, err := m.def.runEnd(ctx, view, m.fx.finished, m.in.Data)
+	data, ran, err := m.def.runEnd(withLocalRun(ctx, m.in, "", "", 0), view, m.fx.finished, m.in.Data)
 	if misuse := done(); misuse != nil && err == nil {
 		err = misuse
 	}
@@ -67,7 +99,7 @@ func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, 
 		return nil, nil, err
 	}
 	view, done := pgsql.ManagedTx(tx, errLocalTxManaged)
-	data, stepErr = def.runLocal(ctx, view, r.Step, r.Phase, in.Data)
+	data, stepErr = def.runLocal(withLocalRun(ctx, in, def.step(r.Step).name, r.Phase, r.Attempt), view, r.Step, r.Phase, in.Data)
 	if misuse := done(); misuse != nil && stepErr == nil {
 		stepErr = misuse
 	}
@@ -87,4 +119,35 @@ func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, 
 		return nil, nil, fmt.Errorf("roll back its writes after %w: %w", stepErr, err)
 	}
 	return nil, stepErr, nil
+}
+
+// runReplyTx returns the machine's replyTx for a transition in tx: it runs a step's
+// OnReplyTx handler in a savepoint of tx, as runLocalStep runs a local step. The handler's
+// own error rolls its writes back and is returned (the step is compensated); a transient
+// database error, the context's end or a failed rollback comes back as a transitionError,
+// which fails the whole transition.
+func runReplyTx(ctx context.Context, tx pgx.Tx, def definition, in *instance) func(int, json.RawMessage, Reply) (json.RawMessage, error) {
+	return func(idx int, raw json.RawMessage, r Reply) (json.RawMessage, error) {
+		if _, err := tx.Exec(ctx, `SAVEPOINT onceflow_saga_reply`); err != nil {
+			return nil, transitionError{err}
+		}
+		view, done := pgsql.ManagedTx(tx, errLocalTxManaged)
+		data, err := def.onReplyTx(withLocalRun(ctx, in, def.step(idx).name, outbox.SagaPhaseAction, r.Attempt), view, idx, raw, r)
+		if misuse := done(); misuse != nil && err == nil {
+			err = misuse
+		}
+		if err == nil {
+			if _, err := tx.Exec(ctx, `RELEASE SAVEPOINT onceflow_saga_reply`); err != nil {
+				return nil, transitionError{err}
+			}
+			return data, nil
+		}
+		if pgsql.IsTransient(err) || ctx.Err() != nil {
+			return nil, transitionError{err}
+		}
+		if _, rbErr := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_reply`); rbErr != nil {
+			return nil, transitionError{fmt.Errorf("roll back its writes after %w: %w", err, rbErr)}
+		}
+		return nil, err
+	}
 }

@@ -320,7 +320,7 @@ func (o *Orchestrator) transition(ctx context.Context, id, key string, ev event)
 
 // apply computes a transition and stores it in tx.
 func (o *Orchestrator) apply(ctx context.Context, tx pgx.Tx, def definition, in *instance, now time.Time, ev event) (*effects, error) {
-	m := &machine{def: def, now: now, in: in}
+	m := &machine{def: def, now: now, in: in, replyTx: runReplyTx(ctx, tx, def, in)}
 	if err := m.apply(ev); err != nil {
 		return nil, fmt.Errorf("saga %q (%s): %w", in.ID, in.Name, err)
 	}

@@ -215,7 +215,17 @@ type machine struct {
 	now time.Time
 	in  *instance
 	fx  effects
+	// replyTx runs a step's OnReplyTx handler in the transition's transaction; the store
+	// layer sets it (runReplyTx). An error it wraps in transitionError fails the transition.
+	replyTx func(idx int, data json.RawMessage, r Reply) (json.RawMessage, error)
 }
+
+// transitionError is a reply handler's error that is not the step's failure (a transient
+// database error, the context's end): the transition fails and is tried again.
+type transitionError struct{ err error }
+
+func (e transitionError) Error() string { return e.err.Error() }
+func (e transitionError) Unwrap() error { return e.err }
 
 // apply runs one event. An error means the transition could not be computed (a corrupt row, a
 // definition that no longer matches it); the caller fails the message or timer and retries.
@@ -421,7 +431,20 @@ func (m *machine) actionDone(idx int, r Reply) error {
 	rec.LastError = ""
 	rec.FinishedAt = m.stamp()
 	m.fx.cancelStep = true
-	data, err := m.def.onReply(idx, in.Data, r)
+	var data json.RawMessage
+	var err error
+	switch {
+	case !m.def.step(idx).replyTx:
+		data, err = m.def.onReply(idx, in.Data, r)
+	case m.replyTx == nil:
+		return fmt.Errorf("saga: step %q has an OnReplyTx handler, but the transition has no transaction", rec.Name)
+	default:
+		data, err = m.replyTx(idx, in.Data, r)
+		var te transitionError
+		if errors.As(err, &te) {
+			return fmt.Errorf("step %q: reply handler: %w", rec.Name, te.err)
+		}
+	}
 	if err != nil {
 		// The effect happened but the orchestrator cannot use the reply: undo it with the rest.
 		return m.compensateFrom(idx, fmt.Sprintf("step %q: reply handler: %v", rec.Name, err))

@@ -23,6 +23,7 @@ type replayer struct {
 	seen     atomic.Int64
 	mu       sync.Mutex
 	replayed map[string]int64       // topic → records re-produced
+	records  map[string]int64       // topic → records seen, not counting our copies
 	ours     map[string]bool        // event ids we re-produced (their copies come back)
 	charges  map[string]*kgo.Record // saga id → its charge command
 	on       atomic.Bool
@@ -34,7 +35,7 @@ func startReplayer(ctx context.Context, brokers, topics []string, chargeTopic st
 	if err != nil {
 		return nil, err
 	}
-	r := &replayer{cl: cl, rate: rate, done: make(chan struct{}), replayed: map[string]int64{},
+	r := &replayer{cl: cl, rate: rate, done: make(chan struct{}), replayed: map[string]int64{}, records: map[string]int64{},
 		ours: map[string]bool{}, charges: map[string]*kgo.Record{}}
 	r.on.Store(true)
 	go func() {
@@ -48,6 +49,9 @@ func startReplayer(ctx context.Context, brokers, topics []string, chargeTopic st
 				id := header(rec, relaykafka.UUIDHeader)
 				r.mu.Lock()
 				ours := r.ours[id]
+				if !ours {
+					r.records[rec.Topic]++
+				}
 				if rec.Topic == chargeTopic {
 					r.charges[header(rec, outbox.MetadataSagaID)] = rec
 				}
@@ -88,6 +92,14 @@ func (r *replayer) injected(topic string) int64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.replayed[topic]
+}
+
+// received returns how many records were published to topic, not counting the replayer's
+// own copies.
+func (r *replayer) received(topic string) int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.records[topic]
 }
 
 func (r *replayer) total() int64 {

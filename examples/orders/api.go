@@ -71,11 +71,14 @@ func (s *service) createOrder(w http.ResponseWriter, r *http.Request) {
 		serverError(w, err)
 		return
 	}
-	// The saga's row and its first command (in the outbox) join the same transaction. The
-	// order id is the saga id, so the saga is found from the order and vice versa.
+	// The saga's row, its local first step (place-order) and its first command (reserve
+	// stock, in the outbox) join the same transaction: saga.RunLocalSteps runs the local step
+	// here rather than in a transition of its own after the commit, so the order is placed
+	// with the saga's start, or not at all. The order id is the saga id, so the saga is found
+	// from the order and vice versa.
 	_, err := saga.StartTx(ctx, tx, s.checkout,
 		Checkout{OrderID: o.ID, CustomerID: customer, SKU: o.SKU, Quantity: o.Quantity, Amount: o.Amount},
-		saga.WithID(o.ID), saga.WithWriter(s.writer), saga.WithMetrics(s.orch.Metrics()))
+		saga.WithID(o.ID), saga.WithWriter(s.writer), saga.WithMetrics(s.orch.Metrics()), saga.RunLocalSteps())
 	if err != nil {
 		serverError(w, err)
 		return

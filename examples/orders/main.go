@@ -2,9 +2,10 @@
 // idempotent by the Idempotency-Key middleware, and the checkout saga's orchestrator.
 //
 // One transaction per order holds the order row, the stored HTTP response, the OrderCreated
-// event and the saga's start (its first command, in the outbox). The relay publishes them;
-// inventory and payments answer the saga's commands; this service confirms or cancels the
-// order and publishes the outcome for read models (examples/projection).
+// event and the saga's start (its local first step and its first command, in the outbox). The
+// relay publishes them; inventory and payments answer the saga's commands; this service
+// confirms or cancels the order in the saga's own transitions (local steps) and publishes the
+// outcome for read models (examples/projection).
 //
 //	go run ./examples/orders -addr 127.0.0.1:8080
 //
@@ -77,7 +78,8 @@ func run(ctx context.Context, f *platform.Flags, waitInFlight time.Duration, log
 		return err
 	}
 
-	s := &service{pool: pool, topics: topics, checkout: checkoutSaga(topics), counters: &platform.Counter{}}
+	s := &service{pool: pool, topics: topics, counters: &platform.Counter{}}
+	s.checkout = checkoutSaga(topics, s) // its local steps use the service's writer and tables
 	if s.writer, err = outbox.NewWriter(outbox.Config{Schema: f.Schema}); err != nil {
 		return err
 	}
@@ -90,10 +92,20 @@ func run(ctx context.Context, f *platform.Flags, waitInFlight time.Duration, log
 	if err != nil {
 		return err
 	}
+	// New orders start on version 2 (local steps). Version 1 stays registered so that sagas
+	// started on it before an upgrade still finish on it (every saga runs to its end on the
+	// definition it started with).
 	if err := saga.Register(s.orch, s.checkout); err != nil {
 		return err
 	}
-	// The orders service is also a participant of its own saga: it confirms and cancels orders.
+	if err := saga.Register(s.orch, checkoutSagaV1(topics)); err != nil {
+		return err
+	}
+	// Version 1 only: the orders service was a participant of its own saga (place, confirm,
+	// cancel as commands to itself). Version 2 sends none of them, but a version-1 saga in
+	// flight still does, so its participant and the three consumers below stay registered
+	// until `onceflow saga list --name checkout` shows no version-1 saga running. Then remove
+	// them with checkoutSagaV1.
 	part, err := saga.NewParticipant(saga.ParticipantConfig{Pool: pool, Schema: f.Schema, Consumer: "orders",
 		Writer: s.writer, Logger: log, Metrics: sagaCounters})
 	if err != nil {
@@ -110,6 +122,7 @@ func run(ctx context.Context, f *platform.Flags, waitInFlight time.Duration, log
 		platform.Count(s.counters, "replies_delivered", s.orch.Handler)); err != nil {
 		return err
 	}
+	// Version 1's self-sent commands (see above).
 	if err := f.Consume(router, infra.Brokers, log, "orders.place", topics.PlaceOrder, saga.Action(part, s.place)); err != nil {
 		return err
 	}
@@ -142,6 +155,7 @@ func run(ctx context.Context, f *platform.Flags, waitInFlight time.Duration, log
 		snap := sagaCounters.Snapshot()
 		c["sagas_started"], c["sagas_completed"], c["sagas_compensated"] = snap.Started, snap.Completed, snap.Compensated
 		c["sagas_stuck"], c["saga_events_ignored"] = snap.Stuck, snap.Ignored
+		c["local_steps"], c["local_step_failures"] = snap.LocalRuns, snap.LocalFailures
 		c["barrier_duplicates"], c["null_compensations"], c["hanging_actions"] = snap.Duplicates, snap.NullCompensations, snap.HangingActions
 		return c
 	})

@@ -2,11 +2,18 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/examples/internal/checkout"
 	"github.com/onceflow/onceflow/examples/internal/exampletest"
 	"github.com/onceflow/onceflow/onceflowtest"
+	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/saga"
 )
 
 func TestMain(m *testing.M) { onceflowtest.Main(m) }
@@ -38,6 +45,111 @@ func TestServesAnOrderAndStops(t *testing.T) {
 	}
 	if status, _, b := s.Do(t, http.MethodPost, "/orders", body, "Idempotency-Key", "k-2"); status != http.StatusUnauthorized {
 		t.Errorf("POST without X-Customer-ID: %d %s, want 401", status, b)
+	}
+	s.Stop(t)
+}
+
+// Sagas of both checkout versions finish in the service as it runs, each on the version it
+// started with: version 2 (place-order, confirm and the cancel run as local steps) from
+// POST /orders, and version 1 (those three sent as commands to the service itself) started
+// in the service's schema as the service did before the upgrade — an in-flight saga of the
+// older definition. The test plays inventory and payments: it answers their commands.
+func TestFinishesSagasOfBothVersions(t *testing.T) {
+	s := exampletest.Start(t, "github.com/onceflow/onceflow/examples/orders")
+	topics := checkout.NewTopics(s.Prefix)
+	ctx := t.Context()
+
+	post := func(key, sku string) string {
+		status, _, resp := s.Do(t, http.MethodPost, "/orders", `{"sku":"`+sku+`","quantity":1}`, "X-Customer-ID", "alice", "Idempotency-Key", key)
+		var o struct{ ID string }
+		if err := json.Unmarshal([]byte(resp), &o); status != http.StatusCreated || err != nil {
+			t.Fatalf("POST /orders: %d %s (%v)", status, resp, err)
+		}
+		return o.ID
+	}
+	w, err := outbox.NewWriter(outbox.Config{Schema: s.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	startV1 := func(sku string) string {
+		id := outbox.NewUUID()
+		err := pgx.BeginFunc(ctx, s.DB.Pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `INSERT INTO `+s.Table("orders")+` (id, customer_id, idempotency_key, sku, quantity, amount)
+				VALUES ($1, 'bob', $2, $3, 1, 100)`, id, "key-"+id, sku); err != nil {
+				return err
+			}
+			_, err := saga.StartTx(ctx, tx, checkoutSagaV1(topics),
+				Checkout{OrderID: id, CustomerID: "bob", SKU: sku, Quantity: 1, Amount: 100}, saga.WithID(id), saga.WithWriter(w))
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	// answer waits for the saga's command on topic and replies with outcome, as a participant.
+	answer := func(topic, id, outcome, reason string, result any) {
+		t.Helper()
+		cmd := s.Await(t, topic, map[string]string{outbox.MetadataSagaID: id})
+		payload, err := json.Marshal(result)
+		if err != nil {
+			t.Fatal(err)
+		}
+		reply := outbox.SetPartitionKey(outbox.NewMessage(payload), id)
+		for _, k := range []string{outbox.MetadataSagaID, outbox.MetadataSagaStep, outbox.MetadataSagaPhase, outbox.MetadataSagaAttempt, outbox.MetadataSagaName} {
+			reply.Metadata.Set(k, exampletest.Header(cmd, k))
+		}
+		reply.Metadata.Set(outbox.MetadataSagaOutcome, outcome)
+		if reason != "" {
+			reply.Metadata.Set(outbox.MetadataSagaReason, reason)
+		}
+		s.Produce(t, exampletest.Header(cmd, outbox.MetadataSagaReplyTo), reply)
+	}
+
+	type want struct {
+		id, status, reason string
+		version            int
+	}
+	var wants []want
+	for _, c := range []struct {
+		version int
+		confirm bool
+	}{{2, true}, {2, false}, {1, true}, {1, false}} {
+		var id string
+		if c.version == 2 {
+			id = post(fmt.Sprintf("k-%d-%t", c.version, c.confirm), "book")
+		} else {
+			id = startV1("book")
+		}
+		if c.confirm {
+			answer(topics.Reserve, id, outbox.SagaOutcomeDone, "", checkout.Reserved{ReservationID: "r-" + id})
+			answer(topics.Charge, id, outbox.SagaOutcomeDone, "", checkout.Charged{PaymentID: "p-" + id})
+			wants = append(wants, want{id, "confirmed", "", c.version})
+		} else {
+			answer(topics.Reserve, id, outbox.SagaOutcomeFailed, "out of stock", struct{}{})
+			wants = append(wants, want{id, "cancelled", `step "reserve-stock": failed: out of stock`, c.version})
+		}
+	}
+	for _, w := range wants {
+		var status, reason, state string
+		var version int
+		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+			err := s.DB.Pool.QueryRow(ctx, `SELECT o.status, o.reason, s.state, s.version FROM `+s.Table("orders")+` o
+				JOIN `+s.Table("saga")+` s ON s.id = o.id::text WHERE o.id = $1`, w.id).Scan(&status, &reason, &state, &version)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if status != "pending" && (state == "completed" || state == "compensated") || time.Now().After(deadline) {
+				break
+			}
+		}
+		if status != w.status || reason != w.reason || version != w.version {
+			t.Errorf("order %s: %s (%q), saga version %d %s; want %s (%q), version %d", w.id, status, reason, version, state, w.status, w.reason, w.version)
+		}
+	}
+	// Version 1 confirmed through a command to the service itself; version 2 sent none.
+	if r := s.Await(t, topics.ConfirmOrder, map[string]string{outbox.MetadataSagaID: wants[2].id}); r == nil {
+		t.Error("no version-1 confirm command")
 	}
 	s.Stop(t)
 }

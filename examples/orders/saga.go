@@ -25,29 +25,33 @@ type Checkout struct {
 	PaymentID     string `json:"payment_id,omitempty"`
 }
 
-// checkoutSaga is place order → reserve stock → charge → confirm. A business failure
-// (out of stock, payment declined) compensates the steps before it, last first: stock
-// released, order cancelled. Confirm is the pivot: once stock and money are taken, the
-// order is confirmed, retried until it is.
-func checkoutSaga(t checkout.Topics) *saga.Definition[Checkout] {
-	orderRef := func(c Checkout) (any, error) { return checkout.OrderRef{OrderID: c.OrderID}, nil }
-	return saga.MustDefine("checkout", 1, []*saga.StepDef[Checkout]{
-		// The order row was written with the saga's start. This step exists for its
-		// compensation, which cancels the order when a later step fails; its action is a
-		// no-op (Eventuate's CreateOrderSaga has the same shape).
+// checkoutVersion is the checkout definition new orders start on (see checkoutSaga).
+const checkoutVersion = 2
+
+// checkoutSaga is place order → reserve stock → charge → confirm. The orders service's own
+// steps, place-order and confirm, and place-order's compensation (cancel) are local: they run
+// in this service's database, in the transaction of the orchestrator's transition that reaches
+// them, so they happen exactly once with the saga's state change, with no command to itself,
+// no reply and no barrier. A business failure (out of stock, payment declined) compensates
+// the steps before it, last first: stock released, order cancelled. Confirm is the pivot:
+// once stock and money are taken, the order is confirmed, retried until it is.
+//
+// Version 2. Version 1 (checkoutSagaV1) sent place, confirm and cancel as commands to this
+// same service; it stays registered until no saga of it runs (see main.go).
+func checkoutSaga(t checkout.Topics, s *service) *saga.Definition[Checkout] {
+	return saga.MustDefine("checkout", checkoutVersion, []*saga.StepDef[Checkout]{
+		// The order row was written with the saga's start, in the same transaction
+		// (createOrder starts the saga with saga.RunLocalSteps, so this step runs there too).
+		// The step exists for its compensation, which cancels the order when a later step
+		// fails; its action has nothing left to do.
 		saga.Step[Checkout]("place-order").
-			Send(t.PlaceOrder, orderRef).
-			Compensate(t.CancelOrder, orderRef),
+			Local(func(context.Context, pgx.Tx, *Checkout) error { return nil }).
+			CompensateLocal(s.cancelLocal),
 		saga.Step[Checkout]("reserve-stock").
 			Send(t.Reserve, func(c Checkout) (any, error) {
 				return checkout.ReserveStock{OrderID: c.OrderID, SKU: c.SKU, Quantity: c.Quantity}, nil
 			}).
-			OnReply(func(c *Checkout, r saga.Reply) error {
-				var res checkout.Reserved
-				err := r.Decode(&res)
-				c.ReservationID = res.ReservationID
-				return err
-			}).
+			OnReply(onReserved).
 			Compensate(t.Release, func(c Checkout) (any, error) { return checkout.ReleaseStock{OrderID: c.OrderID}, nil }),
 		// No Timeout on the charge: a timed-out charge would be compensated while the
 		// provider may have charged in an attempt whose transaction never committed, and the
@@ -56,12 +60,39 @@ func checkoutSaga(t checkout.Topics) *saga.Definition[Checkout] {
 			Send(t.Charge, func(c Checkout) (any, error) {
 				return checkout.Charge{OrderID: c.OrderID, CustomerID: c.CustomerID, Amount: c.Amount}, nil
 			}).
-			OnReply(func(c *Checkout, r saga.Reply) error {
-				var res checkout.Charged
-				err := r.Decode(&res)
-				c.PaymentID = res.PaymentID
-				return err
+			OnReply(onCharged).
+			Compensate(t.Refund, func(c Checkout) (any, error) { return checkout.Refund{OrderID: c.OrderID}, nil }),
+		saga.Step[Checkout]("confirm").
+			Local(func(ctx context.Context, tx pgx.Tx, c *Checkout) error {
+				return s.finish(ctx, tx, c.OrderID, "confirmed", "", checkout.OrderConfirmed)
 			}).
+			Pivot(),
+	}, saga.WithReplyTopic(t.Replies))
+}
+
+// checkoutSagaV1 is the checkout saga as version 1 defined it: the orders service's own steps
+// were commands it sent to itself (orders.place, orders.confirm, orders.cancel) through its
+// outbox, the relay and Kafka, and answered as a participant (place, confirm, cancel below).
+// Every saga runs to its end on the version it started with, so this definition and those
+// participant handlers stay until `onceflow saga list --name checkout` shows no version-1 saga
+// running; then remove both (and the three topics).
+func checkoutSagaV1(t checkout.Topics) *saga.Definition[Checkout] {
+	orderRef := func(c Checkout) (any, error) { return checkout.OrderRef{OrderID: c.OrderID}, nil }
+	return saga.MustDefine("checkout", 1, []*saga.StepDef[Checkout]{
+		saga.Step[Checkout]("place-order").
+			Send(t.PlaceOrder, orderRef).
+			Compensate(t.CancelOrder, orderRef),
+		saga.Step[Checkout]("reserve-stock").
+			Send(t.Reserve, func(c Checkout) (any, error) {
+				return checkout.ReserveStock{OrderID: c.OrderID, SKU: c.SKU, Quantity: c.Quantity}, nil
+			}).
+			OnReply(onReserved).
+			Compensate(t.Release, func(c Checkout) (any, error) { return checkout.ReleaseStock{OrderID: c.OrderID}, nil }),
+		saga.Step[Checkout]("charge").
+			Send(t.Charge, func(c Checkout) (any, error) {
+				return checkout.Charge{OrderID: c.OrderID, CustomerID: c.CustomerID, Amount: c.Amount}, nil
+			}).
+			OnReply(onCharged).
 			Compensate(t.Refund, func(c Checkout) (any, error) { return checkout.Refund{OrderID: c.OrderID}, nil }),
 		saga.Step[Checkout]("confirm").
 			Send(t.ConfirmOrder, orderRef).
@@ -69,8 +100,35 @@ func checkoutSaga(t checkout.Topics) *saga.Definition[Checkout] {
 	}, saga.WithReplyTopic(t.Replies))
 }
 
-// The orders service's participant handlers. Each runs in the command's transaction, with its
-// dedup row, the barrier's rows and the reply: a redelivered command changes nothing.
+// onReserved and onCharged keep what inventory and payments answered, for the compensations.
+func onReserved(c *Checkout, r saga.Reply) error {
+	var res checkout.Reserved
+	err := r.Decode(&res)
+	c.ReservationID = res.ReservationID
+	return err
+}
+
+func onCharged(c *Checkout, r saga.Reply) error {
+	var res checkout.Charged
+	err := r.Decode(&res)
+	c.PaymentID = res.PaymentID
+	return err
+}
+
+// cancelLocal is place-order's local compensation (version 2): it cancels the order with the
+// saga's reason, in the orchestrator's transition. The saga row is written after it returns,
+// so the reason comes from saga.LocalRunFrom, not from the row.
+func (s *service) cancelLocal(ctx context.Context, tx pgx.Tx, c *Checkout) error {
+	reason := "cancelled"
+	if r, ok := saga.LocalRunFrom(ctx); ok && r.Error != "" {
+		reason = r.Error
+	}
+	return s.finish(ctx, tx, c.OrderID, "cancelled", reason, checkout.OrderCancelled)
+}
+
+// The orders service's participant handlers, for sagas of version 1 only (checkoutSagaV1).
+// Each runs in the command's transaction, with its dedup row, the barrier's rows and the
+// reply: a redelivered command changes nothing.
 
 // place is the no-op action of the place-order step.
 func (s *service) place(context.Context, pgx.Tx, checkout.OrderRef) (struct{}, error) {
@@ -82,7 +140,7 @@ func (s *service) confirm(ctx context.Context, tx pgx.Tx, cmd checkout.OrderRef)
 	return struct{}{}, s.finish(ctx, tx, cmd.OrderID, "confirmed", "", checkout.OrderConfirmed)
 }
 
-// cancel is the compensation of place-order: the order is cancelled with the saga's reason
+// cancel is version 1's compensation of place-order: the order is cancelled with the saga's reason
 // (the orchestrator's row is in this schema, so the reason is a query away).
 func (s *service) cancel(ctx context.Context, tx pgx.Tx, cmd checkout.OrderRef) error {
 	reason := "cancelled"
@@ -101,9 +159,11 @@ func (s *service) finish(ctx context.Context, tx pgx.Tx, orderID, status, reason
 		orderID, status, reason).
 		Scan(&ev.OrderID, &ev.CustomerID, &ev.SKU, &ev.Quantity, &ev.Amount, &ev.Status, &ev.Reason, &ev.Version)
 	if errors.Is(err, pgx.ErrNoRows) {
-		// Not pending any more. Behind the barrier this does not happen; if it does, an order
+		// Not pending any more. In the saga's own transition (version 2's local steps) or
+		// behind the barrier (version 1's commands) this does not happen; if it does, an order
 		// already in the wanted state needs nothing, and anything else is a bug to look at
-		// (the command fails and is redelivered, visible in the logs).
+		// (the local step runs again after its backoff, or the command fails and is
+		// redelivered; visible in the logs and in `onceflow saga show`).
 		var current string
 		if err := tx.QueryRow(ctx, `SELECT status FROM orders WHERE id = $1`, orderID).Scan(&current); err != nil {
 			return fmt.Errorf("order %s: %w", orderID, err)

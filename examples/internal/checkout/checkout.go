@@ -7,7 +7,9 @@ package checkout
 // Topics names the Kafka topics of the checkout flow.
 type Topics struct {
 	// Saga commands, sent by the orchestrator (orders) through its outbox.
-	PlaceOrder, CancelOrder, ConfirmOrder string // to orders itself (its participant side)
+	// To orders itself, by checkout version 1 only: version 2 runs these steps locally.
+	// Remove them with version 1 (examples/orders, checkoutSagaV1).
+	PlaceOrder, CancelOrder, ConfirmOrder string
 	Reserve, Release                      string // to inventory
 	Charge, Refund                        string // to payments
 	// Replies is where every participant answers; the orchestrator consumes it.
@@ -36,8 +38,8 @@ func (t Topics) All() []string {
 	return []string{t.PlaceOrder, t.CancelOrder, t.ConfirmOrder, t.Reserve, t.Release, t.Charge, t.Refund, t.Replies, t.OrderEvents}
 }
 
-// OrderRef is the command to the orders participant: place (a no-op that gives the saga a
-// step to compensate), confirm or cancel an order.
+// OrderRef is checkout version 1's command to the orders participant: place (a no-op that
+// gives the saga a step to compensate), confirm or cancel an order.
 type OrderRef struct {
 	OrderID string `json:"order_id"`
 }
