@@ -178,13 +178,14 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 		return nil
 	}
 	var produced []*message.Message
+	var origin []int // index in msgs of the message whose handler returned produced[i]; nil for a set handler
 	if set != nil {
 		produced, err = ib.runSet(ctx, tx, fresh, set)
 		if me := (*MessageError)(nil); errors.As(err, &me) && me.Index >= 0 && me.Index < len(freshIdx) {
 			me.Index = freshIdx[me.Index]
 		}
 	} else {
-		produced, err = ib.runEach(tx, fresh, freshIdx, h)
+		produced, origin, err = ib.runEach(tx, fresh, freshIdx, h)
 	}
 	if err != nil {
 		return err
@@ -195,6 +196,16 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 	defer cancel()
 	if len(produced) > 0 {
 		if err := ib.writeProduced(cctx, tx, topic, produced); err != nil {
+			// A message the outbox refuses (no topic, too large, no valid UUID) is its
+			// handler's: retrying the batch cannot fix it, so say whose it is (poison:
+			// settled at once), or let the consumer halve a set handler's batch.
+			var ve *outbox.ValidationError
+			switch {
+			case errors.As(err, &ve) && origin != nil && ve.Index >= 0 && ve.Index < len(origin):
+				return &MessageError{Index: origin[ve.Index], Err: err}
+			case IsPoison(err):
+				return &MessageError{Index: -1, Err: err}
+			}
 			return err
 		}
 	}
@@ -210,21 +221,24 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 }
 
 // runEach runs h for each message on a view of tx, in order, and collects what they return.
-func (ib *Inbox) runEach(tx pgx.Tx, fresh []*message.Message, idx []int, h message.HandlerFunc) (produced []*message.Message, err error) {
+func (ib *Inbox) runEach(tx pgx.Tx, fresh []*message.Message, idx []int, h message.HandlerFunc) (produced []*message.Message, origin []int, err error) {
 	for j, msg := range fresh {
 		out, err := ib.runOne(tx, msg, h)
 		if pgsql.IsTransient(err) {
 			// A deadlock, a serialization failure, a lost connection: the batch's failure,
 			// not the message's. The consumer runs the batch again without counting an
 			// attempt against the message.
-			return nil, fmt.Errorf("inbox: consumer %q: a transient database error in the handler of message %q: %w", ib.cfg.Consumer, msg.UUID, err)
+			return nil, nil, fmt.Errorf("inbox: consumer %q: a transient database error in the handler of message %q: %w", ib.cfg.Consumer, msg.UUID, err)
 		}
 		if err != nil {
-			return nil, &MessageError{Index: idx[j], Err: err}
+			return nil, nil, &MessageError{Index: idx[j], Err: err}
 		}
 		produced = append(produced, out...)
+		for range out {
+			origin = append(origin, idx[j])
+		}
 	}
-	return produced, nil
+	return produced, origin, nil
 }
 
 // runOne runs h for one message of a batch, with the transaction (a view it cannot end) and

@@ -375,12 +375,16 @@ func ShouldRetry(p middleware.RetryParams) bool { return !IsPoison(p.Err) }
 // one statement whatever their topics: each goes to its outbox.ToTopic topic, or else to
 // defaultTopic (the handler's publish topic).
 func (ib *Inbox) writeProduced(ctx context.Context, tx pgx.Tx, defaultTopic string, produced []*message.Message) error {
+	// Refusals are *outbox.ValidationErrors with the message's index, as the outbox's own:
+	// a batched consumer maps the index to the handler that returned the message.
 	for i, m := range produced {
 		if m == nil {
-			return fmt.Errorf("inbox: consumer %q: the handler returned a nil message at index %d", ib.cfg.Consumer, i)
+			return fmt.Errorf("inbox: consumer %q: %w", ib.cfg.Consumer,
+				&outbox.ValidationError{Index: i, Err: errors.New("the handler returned a nil message")})
 		}
 		if outbox.TopicOf(m, defaultTopic) == "" {
-			return fmt.Errorf("inbox: consumer %q: message %d (uuid %q): %w", ib.cfg.Consumer, i, m.UUID, ErrNoTopic)
+			return fmt.Errorf("inbox: consumer %q: message %d (uuid %q): %w", ib.cfg.Consumer, i, m.UUID,
+				&outbox.ValidationError{Index: i, UUID: m.UUID, Err: ErrNoTopic})
 		}
 	}
 	if err := ib.cfg.Writer.WriteTx(ctx, tx, defaultTopic, produced...); err != nil {

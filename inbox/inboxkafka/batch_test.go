@@ -481,3 +481,40 @@ func TestBatchConsumerRefusesAnUnmigratedSchema(t *testing.T) {
 		t.Fatalf("Run on an unmigrated schema: %v; want migrations.ErrNotMigrated naming the command", err)
 	}
 }
+
+// A handler that returns a message the outbox cannot take (no topic) fails its own message,
+// not the batch: that message is given up at once (no retry can fix it), the others commit.
+func TestBatchConsumerPoisonsAMessageWhoseOutputIsRefused(t *testing.T) {
+	t.Parallel()
+	f := newBatchFixture(t, 1)
+	msgs := f.produce(30, 3)
+	bad := msgs[12].uuid
+	var badTries atomic.Int64
+	p := f.ib.Batch("", func(msg *message.Message) ([]*message.Message, error) {
+		if err := f.effect(msg); err != nil {
+			return nil, err
+		}
+		out := outbox.NewMessage([]byte(`{}`))
+		if msg.UUID == bad {
+			badTries.Add(1)
+			return []*message.Message{out}, nil // no topic: neither ToTopic nor a publish topic
+		}
+		return []*message.Message{outbox.ToTopic(out, "audit")}, nil
+	})
+	f.start(kafkatest.Topic("g"), p, nil)
+	waitPoison(t, f, bad)
+	f.waitEffects(29)
+	if n := badTries.Load(); n != 1 {
+		t.Fatalf("the refused message's handler ran %d times; want once (poison, no retry)", n)
+	}
+	var good []produced
+	for _, m := range msgs {
+		if m.uuid != bad {
+			good = append(good, m)
+		}
+	}
+	f.checkOnceInOrder(good)
+	if n := f.count(`SELECT count(*) FROM ` + f.db.Table("outbox") + ` WHERE topic = 'audit'`); n != 29 {
+		t.Fatalf("%d outbox rows, want one per applied message", n)
+	}
+}
