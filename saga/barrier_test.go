@@ -2,6 +2,7 @@ package saga_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -202,5 +203,26 @@ func TestParticipantHandlerCannotCommit(t *testing.T) {
 	}
 	if outcome != outbox.SagaOutcomeRetry || !strings.Contains(reason, "COMMIT") {
 		t.Fatalf("reply to s2: outcome %q, reason %q; want a failed attempt saying why", outcome, reason)
+	}
+}
+
+// A batched action whose result the outbox refuses (a reply over the payload limit) fails its
+// own command, not the batch: the consumer isolates that command instead of retrying the
+// batch forever.
+func TestBatchedActionWithARefusedReplyFailsOnlyItsCommand(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, checkoutDef(t, nil))
+	p := w.participant("reserve")
+	proc := saga.ActionProcessor(p, func(ctx context.Context, tx pgx.Tx, cmd stepCmd) (stepResult, error) {
+		if cmd.Order == "s2" {
+			return stepResult{ID: strings.Repeat("x", 2<<20)}, nil // over the outbox's 1 MiB
+		}
+		return stepResult{ID: "r-" + cmd.Order}, nil
+	})
+	batch := []*message.Message{command("s1", outbox.SagaPhaseAction, 1), command("s2", outbox.SagaPhaseAction, 1), command("s3", outbox.SagaPhaseAction, 1)}
+	err := proc.ProcessBatch(context.Background(), batch)
+	var me *inbox.MessageError
+	if !errors.As(err, &me) || me.Index != 1 || !errors.Is(err, outbox.ErrPayloadTooLarge) {
+		t.Fatalf("err = %v; want a MessageError for command 1 saying the payload is too large", err)
 	}
 }

@@ -140,6 +140,7 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 	}()
 	b = &pgx.Batch{}
 	var commands []*message.Message
+	var origin []int        // index in msgs of the reply whose transition sent commands[i]
 	var changed []*instance // in the order first changed
 	for _, r := range fresh {
 		if err := broken[r.ref.ID]; err != nil {
@@ -179,6 +180,9 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 		}
 		o.st.queueTimers(b, in.ID, &m.fx, nil)
 		commands = append(commands, m.fx.commands...)
+		for range m.fx.commands {
+			origin = append(origin, r.index)
+		}
 	}
 	for _, in := range changed {
 		if err := o.st.queueUpdate(b, in); err != nil {
@@ -187,7 +191,7 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 	}
 	if len(commands) > 0 {
 		if err := o.cfg.Writer.QueueWriteTx(ctx, b, "", commands...); err != nil {
-			return fmt.Errorf("saga: write %d commands: %w", len(commands), o.st.explain(err))
+			return refusedBy(origin, fmt.Errorf("saga: write %d commands: %w", len(commands), o.st.explain(err)))
 		}
 	}
 	if b.Len() > 0 {
@@ -439,6 +443,7 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 		compensated[k] = seen[i]
 	}
 	var replies []*message.Message
+	var origin []int         // index in the batch of the command replies[i] answers
 	var kept []string        // action keys whose handler ran
 	var keptResults [][]byte // and what they returned
 	for _, c := range fresh {
@@ -480,6 +485,7 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 			}
 		}
 		replies = append(replies, p.reply(c.msg, c.ref, c.replyTo, outcome, reason, payload))
+		origin = append(origin, c.index)
 	}
 	// One round trip: the actions' results kept with their barrier rows, and every reply.
 	b = &pgx.Batch{}
@@ -488,7 +494,7 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 	}
 	if len(replies) > 0 {
 		if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", replies...); err != nil {
-			return 0, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), err)
+			return 0, refusedBy(origin, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), err))
 		}
 	}
 	if b.Len() > 0 {
@@ -554,4 +560,15 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 	case <-t.C:
 		return true
 	}
+}
+
+// refusedBy turns the outbox's refusal of the i-th message of a write (too large, a bad topic)
+// into the failure of the batch message it came from (origin[i]): retrying the batch cannot fix
+// it, so the consumer isolates that message instead. Other errors are returned as they are.
+func refusedBy(origin []int, err error) error {
+	var ve *outbox.ValidationError
+	if errors.As(err, &ve) && ve.Index >= 0 && ve.Index < len(origin) {
+		return &inbox.MessageError{Index: origin[ve.Index], Err: err}
+	}
+	return err
 }
