@@ -189,6 +189,11 @@ func NewBatchConsumer(cfg BatchConfig) (*BatchConsumer, error) {
 		// A paused partition that is resumed joins the next fetch, after the one in flight:
 		// bound that wait (franz-go's default is 5 s; sarama's 500 ms).
 		kgo.FetchMaxWait(500 * time.Millisecond),
+		// A rebalance waits while a poll's records are being handed to the workers (only that:
+		// Run allows it again right after), so records polled before a partition was revoked
+		// never reach a worker started by a later assignment of it, ahead of what that
+		// assignment fetches from the committed offset.
+		kgo.BlockRebalanceOnPoll(),
 		// Only offsets marked after their transaction committed are committed.
 		kgo.AutoCommitMarks(),
 		kgo.AutoCommitInterval(AutoCommitInterval),
@@ -245,12 +250,14 @@ func (c *BatchConsumer) Run(ctx context.Context) error {
 	for {
 		fetches := c.cl.PollFetches(ctx)
 		if fetches.IsClientClosed() {
+			c.cl.AllowRebalance()
 			if ctx.Err() != nil {
 				return nil
 			}
 			return errors.New("inboxkafka: batch consumer: the client was closed")
 		}
 		if ctx.Err() != nil {
+			c.cl.AllowRebalance()
 			return nil
 		}
 		fetches.EachError(func(topic string, p int32, err error) {
@@ -263,6 +270,7 @@ func (c *BatchConsumer) Run(ctx context.Context) error {
 				c.dispatch(partition{p.Topic, p.Partition}, p.Records)
 			}
 		})
+		c.cl.AllowRebalance()
 	}
 }
 
