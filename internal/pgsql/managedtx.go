@@ -16,6 +16,12 @@ import (
 var ErrTxAborted = errors.New("the handler's transaction is aborted: a statement in it failed and the handler carried on; " +
 	"return that statement's error, or run statements that may fail in a savepoint (tx.Begin)")
 
+// ErrRowsOpen is what a managed view's done function returns when the handler returned with a
+// query's rows still open: the connection is busy, so the middleware can neither write nor
+// commit on it.
+var ErrRowsOpen = errors.New("the handler returned with a query's rows still open (pgx: conn busy): " +
+	"close them (defer rows.Close(), or read them with pgx.CollectRows) before returning")
+
 // ManagedTx returns the view of tx that a middleware hands to user code: everything but
 // ending it. Commit and Rollback on the view return errManaged, because the middleware ends
 // the transaction itself (after writing what must commit with the user's writes); savepoints
@@ -31,8 +37,8 @@ var ErrTxAborted = errors.New("the handler's transaction is aborted: a statement
 // kept it cannot write on a connection that is back in the pool — and reports whether the
 // handler may be trusted to have left the transaction as it got it: an error wrapping
 // errManaged when a statement was refused, or when the connection is no longer in the
-// transaction (ended around the view, through tx.Conn()); ErrTxAborted when the transaction
-// is in the failed state. The middleware must then fail the attempt, roll back, and record
+// transaction (ended around the view, through tx.Conn()); ErrRowsOpen when a query's rows
+// were left open; ErrTxAborted when the transaction is in the failed state. The middleware must then fail the attempt, roll back, and record
 // nothing.
 func ManagedTx(tx pgx.Tx, errManaged error) (view pgx.Tx, done func() error) {
 	st := &viewState{errManaged: errManaged}
@@ -86,6 +92,9 @@ func (s *viewState) done(tx pgx.Tx) error {
 	conn := tx.Conn()
 	if conn == nil || conn.IsClosed() {
 		return nil // the connection broke: the commit fails and says so
+	}
+	if conn.PgConn().IsBusy() {
+		return ErrRowsOpen
 	}
 	switch conn.PgConn().TxStatus() {
 	case 'I':

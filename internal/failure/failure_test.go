@@ -1,0 +1,325 @@
+package failure_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceflow/onceflow/internal/failure"
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/testdb"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// TestClassification runs each failure for real against PostgreSQL (and pgx), then checks the
+// one rule every consumer applies: transient failures and lost connections are the batch's
+// (retried, no attempt counted), the rest the message's.
+func TestClassification(t *testing.T) {
+	db := testdb.New(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tbl := db.Table("hot")
+	mustExec(t, db.Pool, `CREATE TABLE `+tbl+` (id int PRIMARY KEY, n int NOT NULL)`)
+	mustExec(t, db.Pool, `INSERT INTO `+tbl+` VALUES (1, 0), (2, 0)`)
+	deferred := db.Table("deferred")
+	mustExec(t, db.Pool, `CREATE TABLE `+deferred+` (id int, CONSTRAINT deferred_once UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)`)
+
+	connect := func(t *testing.T) *pgx.Conn {
+		c, err := pgx.Connect(ctx, db.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close(context.Background()) })
+		return c
+	}
+
+	cases := []struct {
+		name string
+		// make causes the failure and returns its error and the connection it happened on
+		// (nil when none or not the transaction's own).
+		make       func(t *testing.T) (error, *pgx.Conn)
+		batch      bool // OfBatch: the batch's failure, not the message's
+		contention bool
+	}{
+		{"deadlock (40P01)", func(t *testing.T) (error, *pgx.Conn) { return deadlock(t, ctx, connect(t), connect(t), tbl), nil }, true, true},
+		{"serialization failure (40001)", func(t *testing.T) (error, *pgx.Conn) {
+			a, b := connect(t), connect(t)
+			ta, err := a.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = ta.Rollback(ctx) }()
+			if _, err := ta.Exec(ctx, `SELECT n FROM `+tbl+` WHERE id = 1`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := b.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 1`); err != nil {
+				t.Fatal(err)
+			}
+			_, err = ta.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 1`)
+			return err, nil
+		}, true, true},
+		{"lock timeout (55P03)", func(t *testing.T) (error, *pgx.Conn) {
+			a, b := connect(t), connect(t)
+			ta, err := a.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = ta.Rollback(ctx) }()
+			if _, err := ta.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 2`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := b.Exec(ctx, `SET lock_timeout = '50ms'`); err != nil {
+				t.Fatal(err)
+			}
+			_, err = b.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 2`)
+			return err, nil
+		}, true, true},
+		{"statement timeout (57014)", func(t *testing.T) (error, *pgx.Conn) {
+			c := connect(t)
+			if _, err := c.Exec(ctx, `SET statement_timeout = '50ms'`); err != nil {
+				t.Fatal(err)
+			}
+			_, err := c.Exec(ctx, `SELECT pg_sleep(5)`)
+			return err, nil
+		}, true, false},
+		{"backend terminated (57P01)", func(t *testing.T) (error, *pgx.Conn) {
+			a, b := connect(t), connect(t)
+			pid := a.PgConn().PID()
+			errc := make(chan error, 1)
+			go func() { _, err := a.Exec(ctx, `SELECT pg_sleep(10)`); errc <- err }()
+			waitActive(t, ctx, b, int64(pid))
+			if _, err := b.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid); err != nil {
+				t.Fatal(err)
+			}
+			return <-errc, a
+		}, true, false},
+		{"connection lost mid-statement", func(t *testing.T) (error, *pgx.Conn) {
+			p := newProxy(t, db.Pool.Config().ConnConfig.Host, db.Pool.Config().ConnConfig.Port)
+			cfg, err := pgx.ParseConfig(db.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.Host, cfg.Port = "127.0.0.1", p.port
+			c, err := pgx.ConnectConfig(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() { _ = c.Close(context.Background()) }()
+			errc := make(chan error, 1)
+			go func() { _, err := c.Exec(ctx, `SELECT pg_sleep(10)`); errc <- err }()
+			waitActive(t, ctx, connect(t), int64(c.PgConn().PID()))
+			p.cut()
+			return <-errc, c
+		}, true, false},
+		{"connection refused", func(t *testing.T) (error, *pgx.Conn) {
+			l, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			port := l.Addr().(*net.TCPAddr).Port
+			_ = l.Close()
+			_, err = pgx.Connect(ctx, fmt.Sprintf("postgres://x@127.0.0.1:%d/x?connect_timeout=2", port))
+			return err, nil
+		}, true, false},
+		// A server in recovery or out of connection slots answers like this; neither state can
+		// be produced on demand here, so these two are built as pgconn reports them.
+		{"server starting up (57P03)", func(*testing.T) (error, *pgx.Conn) {
+			return &pgconn.PgError{Severity: "FATAL", Code: "57P03", Message: "the database system is starting up"}, nil
+		}, true, false},
+		{"too many connections (53300)", func(*testing.T) (error, *pgx.Conn) {
+			return &pgconn.PgError{Severity: "FATAL", Code: "53300", Message: "sorry, too many clients already"}, nil
+		}, true, false},
+		{"conn busy: a handler left rows open", func(t *testing.T) (error, *pgx.Conn) {
+			c := connect(t)
+			rows, err := c.Query(ctx, `SELECT generate_series(1, 1000)`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer rows.Close()
+			_, err = c.Exec(ctx, `SELECT 1`)
+			return err, c
+		}, false, false},
+		{"conn closed: a handler used a closed connection", func(t *testing.T) (error, *pgx.Conn) {
+			c := connect(t)
+			_ = c.Close(ctx)
+			_, err := c.Exec(ctx, `SELECT 1`)
+			return err, nil
+		}, false, false},
+		{"unique violation (23505)", func(t *testing.T) (error, *pgx.Conn) {
+			_, err := db.Pool.Exec(ctx, `INSERT INTO `+tbl+` VALUES (1, 0)`)
+			return err, nil
+		}, false, false},
+		{"deferred constraint violated at COMMIT", func(t *testing.T) (error, *pgx.Conn) {
+			tx, err := db.Pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO `+deferred+` VALUES (7), (7)`); err != nil {
+				t.Fatal(err)
+			}
+			return tx.Commit(ctx), tx.Conn()
+		}, false, false},
+		{"syntax error", func(t *testing.T) (error, *pgx.Conn) {
+			_, err := db.Pool.Exec(ctx, `SELEC 1`)
+			return err, nil
+		}, false, false},
+		{"aborted transaction the handler carried on in", func(*testing.T) (error, *pgx.Conn) { return pgsql.ErrTxAborted, nil }, false, false},
+		{"a handler's own error", func(*testing.T) (error, *pgx.Conn) { return errors.New("card declined"), nil }, false, false},
+		{"nil", func(*testing.T) (error, *pgx.Conn) { return nil, nil }, false, false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err, conn := c.make(t)
+			if c.name != "nil" && err == nil {
+				t.Fatal("the failure did not happen")
+			}
+			wrapped := fmt.Errorf("handler: %w", err)
+			if got := failure.OfBatch(wrapped, conn); got != c.batch {
+				t.Errorf("OfBatch(%v (%T)) = %v, want %v", err, err, got, c.batch)
+			}
+			if got := failure.Contention(wrapped); got != c.contention {
+				t.Errorf("Contention(%v) = %v, want %v", err, got, c.contention)
+			}
+		})
+	}
+}
+
+func TestBackoff(t *testing.T) {
+	for _, c := range []struct {
+		n    int
+		want time.Duration
+	}{{1, 100 * time.Millisecond}, {2, 200 * time.Millisecond}, {3, 400 * time.Millisecond}, {7, time.Second}, {1000, time.Second}} {
+		if got := failure.Backoff(100*time.Millisecond, time.Second, c.n); got != c.want {
+			t.Errorf("Backoff(100ms, 1s, %d) = %s, want %s", c.n, got, c.want)
+		}
+	}
+}
+
+func TestSleepEndsWithItsContext(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if failure.Sleep(ctx, time.Hour) {
+		t.Fatal("Sleep on an ended context reported a whole wait")
+	}
+	if !failure.Sleep(context.Background(), time.Millisecond) {
+		t.Fatal("Sleep of 1ms did not complete")
+	}
+}
+
+func mustExec(t *testing.T, db interface {
+	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
+}, sql string) {
+	t.Helper()
+	if _, err := db.Exec(context.Background(), sql); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// deadlock makes two transactions lock two rows in opposite orders and returns the victim's
+// error.
+func deadlock(t *testing.T, ctx context.Context, a, b *pgx.Conn, tbl string) error {
+	ta, err := a.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ta.Rollback(ctx) }()
+	tb, err := b.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tb.Rollback(ctx) }()
+	if _, err := ta.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 1`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tb.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 2`); err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 2)
+	go func() { _, err := ta.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 2`); errs <- err }()
+	_, errB := tb.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 1`)
+	if errB != nil {
+		_ = tb.Rollback(ctx) // lets a's statement finish
+		<-errs
+		return errB
+	}
+	return <-errs
+}
+
+// waitActive waits until the backend pid runs pg_sleep.
+func waitActive(t *testing.T, ctx context.Context, c *pgx.Conn, pid int64) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		var n int
+		err := c.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%' AND state = 'active'
+			AND pid = $1::bigint`, pid).Scan(&n)
+		if err == nil && n > 0 {
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Fatal("the statement did not start within 10s")
+}
+
+// proxy forwards TCP connections to the server, and can cut them all mid-statement, as a
+// network failure or a server crash would.
+type proxy struct {
+	port  uint16
+	l     net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+func newProxy(t *testing.T, host string, port uint16) *proxy {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proxy{port: uint16(l.Addr().(*net.TCPAddr).Port), l: l}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { _ = l.Close(); p.cut(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			in, err := l.Accept()
+			if err != nil {
+				return
+			}
+			network, addr := "tcp", net.JoinHostPort(host, fmt.Sprint(port))
+			if len(host) > 0 && host[0] == '/' {
+				network, addr = "unix", fmt.Sprintf("%s/.s.PGSQL.%d", host, port)
+			}
+			out, err := net.Dial(network, addr)
+			if err != nil {
+				_ = in.Close()
+				continue
+			}
+			p.mu.Lock()
+			p.conns = append(p.conns, in, out)
+			p.mu.Unlock()
+			wg.Add(2)
+			go func() { defer wg.Done(); _, _ = io.Copy(out, in); _ = out.Close() }()
+			go func() { defer wg.Done(); _, _ = io.Copy(in, out); _ = in.Close() }()
+		}
+	}()
+	return p
+}
+
+func (p *proxy) cut() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		_ = c.Close()
+	}
+	p.conns = nil
+}
