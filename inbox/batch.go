@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/outbox"
@@ -116,7 +117,10 @@ func (p *batchProcessor) SettlePoison(ctx context.Context, msg *message.Message,
 	return p.ib.SettlePoison(ctx, msg, ps)
 }
 
-// processBatch is ProcessBatch for either kind of handler.
+// processBatch is the inbox's one unit of work: ProcessBatch for either kind of handler, and
+// the middleware's transaction (a batch of one). Every dedup key is claimed in one statement
+// (one key: the plain INSERT), the handler runs for each new message in order, every message
+// the handlers return is written in one outbox statement, and everything commits at once.
 func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topic string, h message.HandlerFunc, set BatchHandlerFunc) (err error) {
 	consumer := ib.cfg.Consumer
 	keys := make([]string, 0, len(msgs))
@@ -125,8 +129,9 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 		key, err := ib.key(msg)
 		if err != nil {
 			ib.cfg.Metrics.NoKey(consumer)
+			ib.endEarly(msg, outcomeNoKey, nil)
 			if ib.cfg.NoKeyPolicy == DropNoKey {
-				ib.cfg.Logger.Warn("inbox: message without a dedup key dropped (handler not run)",
+				ib.cfg.Logger.Warn("inbox: message without a dedup key dropped (acknowledged, handler not run)",
 					"message_uuid", msg.UUID, "err", err, "metadata", map[string]string(msg.Metadata))
 				continue
 			}
@@ -140,17 +145,26 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 		return nil
 	}
 	start := time.Now()
+	// A connection slot first (see Config.Pool), given back after the transaction ended: the
+	// deferred release below runs after the deferred rollback.
 	if err := ib.slots.acquire(ctx); err != nil {
+		for range keys {
+			ib.cfg.Metrics.Failed(consumer)
+		}
 		return fmt.Errorf("inbox: consumer %q: wait for a connection of the pool: %w", consumer, err)
 	}
 	defer ib.slots.release()
 	tx, err := ib.cfg.Pool.Begin(ctx)
 	if err != nil {
+		for range keys {
+			ib.cfg.Metrics.Failed(consumer)
+		}
 		return fmt.Errorf("inbox: consumer %q: begin transaction: %w", consumer, err)
 	}
 	committed := false
 	defer func() {
 		if !committed {
+			// Reached on every path that did not commit: nothing of the attempt survives.
 			for range keys {
 				ib.cfg.Metrics.Failed(consumer)
 			}
@@ -169,6 +183,7 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 			freshIdx = append(freshIdx, keyed[j])
 		} else {
 			ib.cfg.Metrics.Duplicate(consumer)
+			ib.endEarly(msgs[keyed[j]], outcomeDuplicate, nil)
 			ib.cfg.Logger.Debug("inbox: duplicate skipped", "message_uuid", msgs[keyed[j]].UUID, "dedup_key", keys[j])
 		}
 	}
@@ -185,7 +200,7 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 			me.Index = freshIdx[me.Index]
 		}
 	} else {
-		produced, origin, err = ib.runEach(tx, fresh, freshIdx, h)
+		produced, origin, err = ib.runEach(ctx, tx, fresh, freshIdx, h)
 	}
 	if err != nil {
 		return err
@@ -210,7 +225,15 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 		}
 	}
 	if err := tx.Commit(cctx); err != nil {
-		return fmt.Errorf("inbox: consumer %q: commit a batch of %d: %w", consumer, len(fresh), err)
+		// The outcome of a failed COMMIT can be unknown (connection lost after sending it).
+		// Failing is safe either way: if it did commit, the redelivery finds the dedup rows
+		// and is skipped. A constraint a handler deferred to COMMIT is the message's (the
+		// batch's one, or split to find it).
+		idx := -1
+		if len(freshIdx) == 1 {
+			idx = freshIdx[0]
+		}
+		return Blame(fmt.Errorf("inbox: consumer %q: commit a batch of %d: %w", consumer, len(fresh), err), tx.Conn(), idx)
 	}
 	committed = true
 	took := time.Since(start)
@@ -220,18 +243,24 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 	return nil
 }
 
+// endEarly records the `process` span of a message that ends before its handler would run.
+func (ib *Inbox) endEarly(msg *message.Message, outcome string, err error) {
+	_, span := ib.startProcess(msg.Context(), msg)
+	endProcess(span, outcome, err)
+}
+
 // runEach runs h for each message on a view of tx, in order, and collects what they return.
-func (ib *Inbox) runEach(tx pgx.Tx, fresh []*message.Message, idx []int, h message.HandlerFunc) (produced []*message.Message, origin []int, err error) {
+func (ib *Inbox) runEach(ctx context.Context, tx pgx.Tx, fresh []*message.Message, idx []int, h message.HandlerFunc) (produced []*message.Message, origin []int, err error) {
 	for j, msg := range fresh {
 		out, err := ib.runOne(tx, msg, h)
-		if pgsql.IsTransient(err) {
-			// A deadlock, a serialization failure, a lost connection: the batch's failure,
-			// not the message's. The consumer runs the batch again without counting an
-			// attempt against the message.
-			return nil, nil, fmt.Errorf("inbox: consumer %q: a transient database error in the handler of message %q: %w", ib.cfg.Consumer, msg.UUID, err)
+		if err != nil && ctx.Err() != nil {
+			return nil, nil, err // the consumer is stopping: nobody's attempt
 		}
-		if err != nil {
-			return nil, nil, &MessageError{Index: idx[j], Err: err}
+		// A deadlock, a serialization failure, a lost connection: the batch's failure, not
+		// the message's. The consumer runs the batch again without counting an attempt
+		// against the message. Anything else is the message's.
+		if err := Blame(err, tx.Conn(), idx[j]); err != nil {
+			return nil, nil, err
 		}
 		produced = append(produced, out...)
 		for range out {
@@ -252,6 +281,12 @@ func (ib *Inbox) runOne(tx pgx.Tx, msg *message.Message, h message.HandlerFunc) 
 	view, viewDone := pgsql.ManagedTx(tx, ib.errManaged)
 	msg.SetContext(outbox.ContextWithTx(pctx, view))
 	out, err = callHandler(msg, h)
+	for _, m := range out {
+		// Its `create` span is a child of this message's `process` span (outbox.Writer).
+		if m != nil && !trace.SpanContextFromContext(m.Context()).IsValid() {
+			m.SetContext(pctx)
+		}
+	}
 	if viewErr := viewDone(); err == nil && viewErr != nil {
 		if errors.Is(viewErr, outbox.ErrTxManaged) {
 			ib.cfg.Logger.Error("inbox: the handler tried to end its transaction; the message fails", "message_uuid", msg.UUID, "err", viewErr)
@@ -269,11 +304,18 @@ func (ib *Inbox) runOne(tx pgx.Tx, msg *message.Message, h message.HandlerFunc) 
 func callHandler(msg *message.Message, h message.HandlerFunc) (out []*message.Message, err error) {
 	defer func() {
 		if r := recover(); r != nil {
-			err = fmt.Errorf("%w: handler panicked: %v", ErrPanicked, r)
+			err = &panicError{v: r}
 		}
 	}()
 	return h(msg)
 }
+
+// panicError is a handler's panic as the message's error; the middleware panics again with v
+// once the transaction is rolled back, so Recoverer (or the router) sees the original panic.
+type panicError struct{ v any }
+
+func (e *panicError) Error() string { return fmt.Sprintf("%v: handler panicked: %v", ErrPanicked, e.v) }
+func (e *panicError) Unwrap() error { return ErrPanicked }
 
 // ErrPanicked is wrapped by the error of a message whose handler panicked in a batch.
 var ErrPanicked = errors.New("inbox: panic")
@@ -293,8 +335,8 @@ func (ib *Inbox) runSet(ctx context.Context, tx pgx.Tx, fresh []*message.Message
 		err = fmt.Errorf("inbox: consumer %q: %w", ib.cfg.Consumer, viewErr)
 	}
 	if err != nil {
-		if me := (*MessageError)(nil); !errors.As(err, &me) && !pgsql.IsTransient(err) {
-			err = &MessageError{Index: -1, Err: err}
+		if me := (*MessageError)(nil); !errors.As(err, &me) && ctx.Err() == nil {
+			err = Blame(err, tx.Conn(), -1)
 		}
 		return nil, err
 	}
@@ -307,10 +349,13 @@ func (ib *Inbox) runSet(ctx context.Context, tx pgx.Tx, fresh []*message.Message
 // It is the BatchProcessor's SettlePoison of Batch, BatchNoPublish and BatchFunc; other
 // processors (the saga's) call it to record their own poison.
 func (ib *Inbox) SettlePoison(ctx context.Context, msg *message.Message, p Poison) error {
+	var settled bool
 	err := pgx.BeginFunc(ctx, ib.cfg.Pool, func(tx pgx.Tx) error {
-		return ib.SettlePoisonTx(ctx, tx, msg, p)
+		var err error
+		settled, err = ib.SettlePoisonTx(ctx, tx, msg, p)
+		return err
 	})
-	if err == nil {
+	if err == nil && settled {
 		ib.LogPoison(msg, p)
 	}
 	return err
@@ -323,23 +368,25 @@ func (ib *Inbox) LogPoison(msg *message.Message, p Poison) {
 		"message_uuid", msg.UUID, "source", p.Source, "attempts", p.Attempts, "err", p.Err)
 }
 
-// SettlePoisonTx is SettlePoison in the caller's transaction. A message whose dedup key is
-// already recorded (another delivery of it committed meanwhile) gets no poison row.
-func (ib *Inbox) SettlePoisonTx(ctx context.Context, tx pgx.Tx, msg *message.Message, p Poison) error {
+// SettlePoisonTx is SettlePoison in the caller's transaction; settled reports whether msg was
+// given up now. A message whose dedup key is already recorded (another delivery of it
+// committed meanwhile, or the last attempt's commit went through as its connection dropped)
+// is not: it gets no poison row, and settled is false.
+func (ib *Inbox) SettlePoisonTx(ctx context.Context, tx pgx.Tx, msg *message.Message, p Poison) (settled bool, err error) {
 	var key *string
 	if k, err := ib.key(msg); err == nil {
 		key = &k
 		claimed, err := ib.ClaimTx(ctx, tx, k)
 		if err != nil {
-			return err
+			return false, err
 		}
 		if !claimed[0] {
-			return nil // another delivery of it committed meanwhile (a rebalance): nothing to give up
+			return false, nil // another delivery of it committed meanwhile: nothing to give up
 		}
 	}
 	md, err := json.Marshal(msg.Metadata)
 	if err != nil {
-		return fmt.Errorf("inbox: consumer %q: encode the metadata of poison message %q: %w", ib.cfg.Consumer, msg.UUID, err)
+		return false, fmt.Errorf("inbox: consumer %q: encode the metadata of poison message %q: %w", ib.cfg.Consumer, msg.UUID, err)
 	}
 	reason := "unknown error"
 	if p.Err != nil {
@@ -350,7 +397,7 @@ func (ib *Inbox) SettlePoisonTx(ctx context.Context, tx pgx.Tx, msg *message.Mes
 		payload = []byte{}
 	}
 	if _, err := tx.Exec(ctx, ib.poisonSQL, ib.cfg.Consumer, key, msg.UUID, p.Source, md, payload, p.Attempts, reason); err != nil {
-		return ib.dbError(fmt.Sprintf("record poison message %q", msg.UUID), err)
+		return false, ib.dbError(fmt.Sprintf("record poison message %q", msg.UUID), err)
 	}
-	return nil
+	return true, nil
 }

@@ -220,103 +220,20 @@ func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) (_ []*message.Message, err error) {
-	orig := msg.Context()
-	// The handler sees a context carrying the transaction; put the original back afterwards so
-	// a Retry attempt (which reuses msg) never sees a finished transaction.
-	defer msg.SetContext(orig)
-	orig, span := ib.startProcess(orig, msg) // trace.go; the handler's context carries the span
-	outcome := outcomeFailed
-	defer func() { endProcess(span, outcome, err) }()
-
-	key, err := ib.key(msg)
-	if err != nil {
-		ib.cfg.Metrics.NoKey(ib.cfg.Consumer)
-		outcome = outcomeNoKey
-		if ib.cfg.NoKeyPolicy == DropNoKey {
-			ib.cfg.Logger.Warn("inbox: message without a dedup key dropped (acknowledged, handler not run)",
-				"message_uuid", msg.UUID, "err", err, "metadata", map[string]string(msg.Metadata))
-			return nil, nil
-		}
-		return nil, fmt.Errorf("inbox: consumer %q, message %q: %w", ib.cfg.Consumer, msg.UUID, err)
+// handle is the batch engine (processBatch) with a batch of one: the message's dedup row,
+// the handler's writes and the messages it returns commit in one transaction. The handler's
+// own error is returned unwrapped, so errors.Is/As and poison-queue reasons see it, and its
+// panic keeps unwinding (after the rollback) to Recoverer or the router.
+func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
+	err := ib.processBatch(msg.Context(), []*message.Message{msg}, message.PublishTopicFromCtx(msg.Context()), h, nil)
+	if pe := (*panicError)(nil); errors.As(err, &pe) {
+		panic(pe.v) // rolled back already; keeps unwinding to Recoverer or the router
 	}
-
-	start := time.Now()
-	// A connection slot first (see Config.Pool), given back after the transaction ended: the
-	// deferred release below runs after the deferred rollback.
-	if err := ib.slots.acquire(orig); err != nil {
-		ib.cfg.Metrics.Failed(ib.cfg.Consumer)
-		return nil, fmt.Errorf("inbox: consumer %q: wait for a connection of the pool: %w", ib.cfg.Consumer, err)
+	if me := (*MessageError)(nil); errors.As(err, &me) {
+		return nil, me.Err
 	}
-	defer ib.slots.release()
-	tx, err := ib.cfg.Pool.Begin(orig)
-	if err != nil {
-		ib.cfg.Metrics.Failed(ib.cfg.Consumer)
-		return nil, fmt.Errorf("inbox: consumer %q: begin transaction: %w", ib.cfg.Consumer, err)
-	}
-	finished := false
-	defer func() {
-		if finished {
-			return
-		}
-		// Reached on every path that did not commit, including a handler panic (which keeps
-		// unwinding to Recoverer or the router): nothing of the attempt survives.
-		ib.cfg.Metrics.Failed(ib.cfg.Consumer)
-		ib.rollback(orig, tx, msg)
-	}()
-
-	claimed, err := ib.ClaimTx(orig, tx, key)
-	if err != nil {
-		return nil, err
-	}
-	if !claimed[0] {
-		finished = true
-		ib.rollback(orig, tx, msg)
-		ib.cfg.Metrics.Duplicate(ib.cfg.Consumer)
-		outcome = outcomeDuplicate
-		ib.cfg.Logger.Debug("inbox: duplicate skipped", "message_uuid", msg.UUID, "dedup_key", key)
-		return nil, nil
-	}
-
-	// The handler gets a view of tx that cannot end it: a handler that committed would commit
-	// the dedup row without the messages it returns, whose redelivery is then skipped.
-	view, viewDone := pgsql.ManagedTx(tx, ib.errManaged)
-	msg.SetContext(outbox.ContextWithTx(orig, view))
-	produced, err := h(msg)
-	// Closes the view, whatever the handler kept a reference to, and says whether the handler
-	// tried to end the transaction with SQL (refused), ended it around the view, or left it
-	// aborted: then the attempt fails and nothing more is written.
-	viewErr := viewDone()
-	if err != nil {
-		// Returned unwrapped so errors.Is/As and poison-queue reasons see the handler's error.
-		return nil, err
-	}
-	if viewErr != nil {
-		if errors.Is(viewErr, outbox.ErrTxManaged) {
-			ib.cfg.Logger.Error("inbox: the handler tried to end its transaction; the message fails", "message_uuid", msg.UUID, "err", viewErr)
-		}
-		return nil, fmt.Errorf("inbox: consumer %q, message %q: %w", ib.cfg.Consumer, msg.UUID, viewErr)
-	}
-	// The handler succeeded: from here on the message's cancellation no longer applies (see
-	// Config.CommitTimeout). Its values (trace context, the publish topic) still do.
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(orig), ib.cfg.CommitTimeout)
-	defer cancel()
-	if len(produced) > 0 {
-		if err := ib.writeProduced(cctx, tx, message.PublishTopicFromCtx(orig), produced); err != nil {
-			return nil, err
-		}
-	}
-	if err := tx.Commit(cctx); err != nil {
-		// The outcome of a failed COMMIT can be unknown (connection lost after sending it).
-		// Failing the message is safe either way: if it did commit, the redelivery finds the
-		// dedup row and is skipped.
-		return nil, fmt.Errorf("inbox: consumer %q: commit: %w", ib.cfg.Consumer, err)
-	}
-	finished = true
-	ib.cfg.Metrics.Processed(ib.cfg.Consumer, time.Since(start))
-	outcome = outcomeProcessed
 	// Nothing goes back to the router: the produced messages are in the outbox.
-	return nil, nil
+	return nil, err
 }
 
 func (ib *Inbox) key(msg *message.Message) (string, error) {

@@ -4,9 +4,20 @@ import (
 	"context"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/internal/tracing"
 )
+
+// parentOf is the context a message's `create` span starts in: the message's own context when
+// it carries a span (a consumer that writes the messages of many handlers in one statement
+// gives each the span of the message it answers), else ctx.
+func parentOf(ctx context.Context, msg *message.Message) context.Context {
+	if mctx := msg.Context(); trace.SpanContextFromContext(mctx).IsValid() {
+		return mctx
+	}
+	return ctx
+}
 
 // traced records the `create <topic>` span of one message (PRODUCER, a child of ctx's span)
 // and returns the metadata to store: md with the span's W3C traceparent/tracestate, which the

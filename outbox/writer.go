@@ -291,7 +291,7 @@ func (w *Writer) insert(ctx context.Context, topic string, msgs []*message.Messa
 		if len(problems) > 0 {
 			continue // keep validating to report every problem, but build nothing more
 		}
-		meta, err := json.Marshal(w.traced(ctx, topics[i], msg, storedMetadata(msg.Metadata)))
+		meta, err := json.Marshal(w.traced(parentOf(ctx, msg), topics[i], msg, storedMetadata(msg.Metadata)))
 		if err != nil {
 			return insertStmt{}, fmt.Errorf("outbox: encode metadata of message %d: %w", i, err)
 		}

@@ -12,7 +12,6 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/inbox"
-	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -157,30 +156,27 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 			return &inbox.MessageError{Index: r.index, Err: err}
 		}
 		mctx, span := startMessage(o.tr, r.msg, r.ref, o.cfg.Consumer)
-		m := &machine{def: def, now: now, in: in, replyTx: runReplyTx(mctx, tx, def, in)}
-		if err := m.apply(replyOf(r.msg, r.ref)); err != nil {
+		fx, err := o.advance(mctx, tx, def, in, now, replyOf(r.msg, r.ref))
+		if err != nil {
 			endMessage(span, err)
-			if pgsql.IsTransient(err) {
-				return err // an OnReplyTx handler's: the batch's failure, not the reply's
+			if ctx.Err() != nil {
+				return err
 			}
-			return &inbox.MessageError{Index: r.index, Err: fmt.Errorf("saga %q (%s): %w", in.ID, in.Name, err)}
+			// An OnReplyTx handler's or a local step's deadlock, a lost connection: the
+			// batch's failure; anything else the reply's.
+			return inbox.Blame(err, tx.Conn(), r.index)
 		}
-		applied = append(applied, done{mctx, in, &m.fx, span})
-		if m.fx.stale != "" {
+		applied = append(applied, done{mctx, in, fx, span})
+		if fx.stale != "" {
 			continue
-		}
-		if err := runLocals(mctx, tx, m); err != nil {
-			if pgsql.IsTransient(err) {
-				return err // the batch's failure, not the reply's
-			}
-			return &inbox.MessageError{Index: r.index, Err: err}
 		}
 		if !slices.Contains(changed, in) {
 			changed = append(changed, in)
 		}
-		o.st.queueTimers(b, in.ID, &m.fx, nil)
-		commands = append(commands, m.fx.commands...)
-		for range m.fx.commands {
+		o.st.queueTimers(b, in.ID, fx, nil)
+		for _, cmd := range fx.commands {
+			cmd.SetContext(mctx) // its `create` span continues the reply's trace
+			commands = append(commands, cmd)
 			origin = append(origin, r.index)
 		}
 	}
@@ -200,7 +196,11 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 		}
 	}
 	if err := commit(ctx, tx); err != nil {
-		return err
+		idx := -1 // a deferred constraint of an OnReplyTx handler or a local step: split to find it
+		if len(fresh) == 1 {
+			idx = fresh[0].index
+		}
+		return inbox.Blame(err, tx.Conn(), idx)
 	}
 	for _, d := range applied {
 		o.observe(d.in, d.fx, now)
@@ -240,15 +240,16 @@ func replyOf(msg *message.Message, ref outbox.SagaRef) event {
 func (o *Orchestrator) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
 	ref, isSaga, _ := outbox.SagaOf(msg)
 	var name string
+	var settled bool
 	err := pgx.BeginFunc(ctx, o.cfg.Pool, func(tx pgx.Tx) error {
-		if err := o.ib.SettlePoisonTx(ctx, tx, msg, p); err != nil {
+		var err error
+		// A reply that another delivery applied meanwhile (its commit went through as the
+		// connection dropped) is not given up, and its saga is not stuck.
+		if settled, err = o.ib.SettlePoisonTx(ctx, tx, msg, p); err != nil || !settled || !isSaga {
 			return err
 		}
-		if !isSaga {
-			return nil
-		}
 		reason := fmt.Sprintf("the %s reply of step %q (attempt %d) could not be applied after %d tries: %v", ref.Phase, ref.Step, ref.Attempt, p.Attempts, p.Err)
-		err := tx.QueryRow(ctx, o.st.stuck, ref.ID, reason).Scan(&name)
+		err = tx.QueryRow(ctx, o.st.stuck, ref.ID, reason).Scan(&name)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil // unknown or finished: nothing to stop
 		}
@@ -256,6 +257,9 @@ func (o *Orchestrator) SettlePoison(ctx context.Context, msg *message.Message, p
 	})
 	if err != nil {
 		return fmt.Errorf("saga: settle reply %q: %w", msg.UUID, o.st.explain(err))
+	}
+	if !settled {
+		return nil
 	}
 	o.ib.LogPoison(msg, p)
 	if name != "" {
@@ -321,9 +325,8 @@ func (sp *stepProcessor) ProcessBatch(ctx context.Context, msgs []*message.Messa
 	// dedup row and reply must commit. Without a savepoint per command, the batch is rolled
 	// back and run again with that outcome decided: each such command costs one re-run.
 	for {
-		var oe *outcomeError
-		idx, err := sp.p.runBatch(ctx, sp.phase, cmds, sp.run, &oe)
-		if err == nil || oe == nil {
+		idx, oe, err := sp.p.runBatch(ctx, sp.phase, cmds, sp.run)
+		if oe == nil {
 			return err
 		}
 		cmds[idx].outcome = oe
@@ -362,149 +365,6 @@ func (p *Participant) readCommand(msg *message.Message, phase outbox.SagaPhase) 
 	return ref, replyTo, key, err
 }
 
-// runBatch runs cmds in one transaction. When a handler returns Fail or Retry, it stops,
-// rolls back and returns that command's index with *oe set, so the caller runs the batch
-// again with that outcome decided.
-func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds []*command, run stepRun, oe **outcomeError) (int, error) {
-	tx, err := p.cfg.Pool.Begin(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
-	}
-	defer rollback(tx)
-	keys := make([]string, len(cmds))
-	for i, c := range cmds {
-		keys[i] = c.key
-	}
-	claimed, err := p.ib.ClaimTx(ctx, tx, keys...)
-	if err != nil {
-		return 0, err
-	}
-	// The barrier, for the new commands whose handler may run: the action keys claimed in
-	// one statement (for a compensation with its own key: claims lock in key order, and an
-	// action key sorts before its compensation's), then, for actions, which compensations
-	// already committed — read after the claims, which waited for concurrent compensations.
-	var barrier []string
-	var fresh []*command
-	for i, c := range cmds {
-		if !claimed[i] {
-			p.skip(c.ref, BarrierDuplicate, "the same command again")
-			continue
-		}
-		fresh = append(fresh, c)
-		if c.outcome == nil {
-			barrier = append(barrier, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction))
-			if phase == outbox.SagaPhaseCompensation {
-				barrier = append(barrier, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
-			}
-		}
-	}
-	if len(fresh) == 0 {
-		return 0, nil // all duplicates: nothing to commit
-	}
-	// One round trip: the barrier's claims, then (actions) which compensations committed.
-	var got, seen []bool
-	var comp []string
-	results := map[string][]byte{} // action key → its result, for compensations
-	b := &pgx.Batch{}
-	if len(barrier) > 0 {
-		if err := p.ib.QueueClaimMany(b, barrier, &got); err != nil {
-			return 0, err
-		}
-		if phase == outbox.SagaPhaseAction {
-			for _, c := range fresh {
-				comp = append(comp, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
-			}
-			if err := p.ib.QueueSeenMany(b, comp, &seen); err != nil {
-				return 0, err
-			}
-		} else {
-			// What the actions returned, for those that ran (read after the claims).
-			b.Queue(p.resultSQL, p.cfg.Consumer, barrier).Query(func(rows pgx.Rows) error {
-				for rows.Next() {
-					var k string
-					var r []byte
-					if err := rows.Scan(&k, &r); err != nil {
-						return err
-					}
-					results[k] = r
-				}
-				return rows.Err()
-			})
-		}
-		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			return 0, fmt.Errorf("saga participant %q: barrier of %d commands: %w", p.cfg.Consumer, len(fresh), schemaError(p.cfg.Schema, err))
-		}
-	}
-	free, compensated := map[string]bool{}, map[string]bool{}
-	for i, k := range barrier {
-		free[k] = got[i]
-	}
-	for i, k := range comp {
-		compensated[k] = seen[i]
-	}
-	var replies []*message.Message
-	var origin []int         // index in the batch of the command replies[i] answers
-	var kept []string        // action keys whose handler ran
-	var keptResults [][]byte // and what they returned
-	for _, c := range fresh {
-		payload, outcome, reason := []byte("{}"), outbox.SagaOutcomeDone, ""
-		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
-		compKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)
-		switch {
-		case c.outcome != nil:
-			outcome, reason = c.outcome.outcome, c.outcome.reason
-		case phase == outbox.SagaPhaseAction && !free[actionKey] && compensated[compKey]:
-			p.skip(c.ref, BarrierHangingAction, "the action arrived after its compensation")
-			continue // its dedup row commits; no reply
-		case phase == outbox.SagaPhaseAction && !free[actionKey]:
-			p.skip(c.ref, BarrierDuplicate, "an earlier attempt took effect; its reply is on its way")
-			continue
-		case phase == outbox.SagaPhaseCompensation && free[actionKey]:
-			// The action never ran; its key is now taken, so it never will. Nothing to undo.
-			p.skip(c.ref, BarrierNullCompensation, "the action never ran")
-		case phase == outbox.SagaPhaseCompensation && !free[compKey]:
-			p.skip(c.ref, BarrierDuplicate, "an earlier attempt compensated; its reply is on its way")
-			continue
-		default:
-			mctx, span := startMessage(p.tr, c.msg, c.ref, p.cfg.Consumer)
-			out, err := p.runHandler(mctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return run(ctx, tx, c.msg, results[actionKey]) })
-			endMessage(span, err)
-			if errors.As(err, oe) {
-				return c.index, err
-			}
-			if pgsql.IsTransient(err) { // the batch's failure, not the command's: no attempt counted
-				return 0, fmt.Errorf("saga participant %q: a transient database error in a handler: %w", p.cfg.Consumer, err)
-			}
-			if err != nil {
-				return 0, &inbox.MessageError{Index: c.index, Err: err}
-			}
-			payload = out
-			if phase == outbox.SagaPhaseAction {
-				kept = append(kept, actionKey)
-				keptResults = append(keptResults, out)
-			}
-		}
-		replies = append(replies, p.reply(c.msg, c.ref, c.replyTo, outcome, reason, payload))
-		origin = append(origin, c.index)
-	}
-	// One round trip: the actions' results kept with their barrier rows, and every reply.
-	b = &pgx.Batch{}
-	for i, k := range kept {
-		b.Queue(p.keepResultSQL, p.cfg.Consumer, k, keptResults[i])
-	}
-	if len(replies) > 0 {
-		if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", replies...); err != nil {
-			return 0, refusedBy(origin, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), err))
-		}
-	}
-	if b.Len() > 0 {
-		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			return 0, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), schemaError(p.cfg.Schema, err))
-		}
-	}
-	return 0, commit(ctx, tx)
-}
-
 // reply builds the reply to a command, addressed to its reply topic.
 func (p *Participant) reply(cmd *message.Message, ref outbox.SagaRef, replyTo, outcome, reason string, payload []byte) *message.Message {
 	reply := outbox.SetPartitionKey(outbox.NewMessage(payload), ref.ID)
@@ -540,26 +400,6 @@ func (p *Participant) settle(ctx context.Context, msg *message.Message, phase ou
 		"consumer", p.cfg.Consumer, "saga_id", ref.ID, "step", ref.Step, "phase", ref.Phase, "attempt", ref.Attempt,
 		"tries", ps.Attempts, "err", ps.Err)
 	return nil
-}
-
-// retryBackoff is the wait before try n+1 (n ≥ 1) of a failing message handled per message.
-func retryBackoff(n int) time.Duration {
-	d := DefaultRetryBackoff
-	for i := 1; i < n && d < maxRetryBackoff; i++ {
-		d *= 2
-	}
-	return min(d, maxRetryBackoff)
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
 }
 
 // refusedBy turns the outbox's refusal of the i-th message of a write (too large, a bad topic)

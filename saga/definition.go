@@ -496,6 +496,9 @@ func (d *Definition[D]) command(i int, phase outbox.SagaPhase, raw json.RawMessa
 	if phase == outbox.SagaPhaseCompensation {
 		topic, build = s.compTopic, s.compensate
 	}
+	if build == nil {
+		return "", nil, fmt.Errorf("step %q has no %s command", s.name, phase)
+	}
 	v, err := build(data)
 	if err != nil {
 		return "", nil, err

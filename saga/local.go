@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/internal/failure"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -110,7 +111,7 @@ func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, 
 		return data, nil, nil
 	}
 	var oe *outcomeError
-	if !errors.As(stepErr, &oe) && (pgsql.IsTransient(stepErr) || ctx.Err() != nil) {
+	if !errors.As(stepErr, &oe) && (failure.OfBatch(stepErr, tx.Conn()) || ctx.Err() != nil) {
 		// Not the step's failure: the database's, or the message's context ended (a
 		// rebalance, a shutdown). No run is counted; the transition is tried again.
 		return nil, nil, stepErr
@@ -142,7 +143,7 @@ func runReplyTx(ctx context.Context, tx pgx.Tx, def definition, in *instance) fu
 			}
 			return data, nil
 		}
-		if pgsql.IsTransient(err) || ctx.Err() != nil {
+		if failure.OfBatch(err, tx.Conn()) || ctx.Err() != nil {
 			return nil, transitionError{err}
 		}
 		if _, rbErr := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_reply`); rbErr != nil {

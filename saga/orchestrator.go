@@ -85,8 +85,8 @@ type Orchestrator struct {
 
 	mu   sync.RWMutex
 	defs map[defKey]definition
-	// maxLocal is the most local runs one transition of a registered definition can make
-	// (its local actions and local compensations): each takes a savepoint (saga/local.go).
+	// maxLocal is the most savepoints one transition of a registered definition can take: its
+	// local actions and local compensations, and an OnReplyTx handler (saga/local.go).
 	maxLocal int
 	tr       *tracing.Tracer // trace.go
 }
@@ -191,7 +191,10 @@ func Register[D any](o *Orchestrator, def *Definition[D]) error {
 		return fmt.Errorf("saga: definition %q version %d is registered already", k.name, k.version)
 	}
 	o.defs[k] = def
-	n := 0
+	// Savepoints one transition can take: one per local action and local compensation (each
+	// runs at most once in a transition), and one for an OnReplyTx handler (a transition
+	// applies one reply).
+	n, replyTx := 0, 0
 	for i := range def.stepCount() {
 		p := def.step(i)
 		if p.local {
@@ -200,8 +203,11 @@ func Register[D any](o *Orchestrator, def *Definition[D]) error {
 		if p.compLocal {
 			n++
 		}
+		if p.replyTx {
+			replyTx = 1
+		}
 	}
-	o.maxLocal = max(o.maxLocal, n)
+	o.maxLocal = max(o.maxLocal, n+replyTx)
 	return nil
 }
 
@@ -243,83 +249,35 @@ func (o *Orchestrator) lookup(name string, version int) (definition, error) {
 // router.AddConsumerHandler for each of ReplyTopics (with inboxkafka's subscriber settings).
 // It must not run behind the inbox middleware: it deduplicates replies itself, in the
 // transition's transaction.
+//
+// It is the batch engine (ProcessBatch) with a batch of one, tried again by the same policy
+// as the batched consumer's: a reply whose transition fails is tried MaxAttempts times with
+// backoff, then its saga is set stuck (SettlePoison); a failure of the transaction as a whole
+// (the database unreachable or restarting, a deadlock) counts no attempt and is retried until
+// the message's context ends, so an outage never makes a saga stuck.
 func (o *Orchestrator) Handler(msg *message.Message) error {
-	ref, key, ok := o.readReply(msg)
-	if !ok {
+	if _, _, ok := o.readReply(msg); !ok {
 		return nil
 	}
-	for tries := 1; ; tries++ {
-		ctx, span := startMessage(o.tr, msg, ref, o.cfg.Consumer)
-		err := o.transition(ctx, ref.ID, key, replyOf(msg, ref))
-		endMessage(span, err)
-		if err == nil || msg.Context().Err() != nil {
-			return err
-		}
-		if tries >= o.cfg.MaxAttempts {
-			// Settled, so the reply partition moves on: the saga is stuck with the error.
-			if serr := o.SettlePoison(msg.Context(), msg, inbox.Poison{Attempts: tries, Err: err}); serr != nil {
-				return errors.Join(err, serr)
-			}
-			return nil
-		}
-		o.cfg.Logger.Warn("saga: a reply's transition failed; trying it again", "saga_id", ref.ID, "try", tries, "max_attempts", o.cfg.MaxAttempts, "err", err)
-		if !sleepCtx(msg.Context(), retryBackoff(tries)) {
-			return err
-		}
-	}
+	return o.policy().ApplyOne(msg.Context(), o, msg, "", nil)
 }
 
-// transition applies one event to saga id in one transaction. key, when set, is the reply's
-// dedup key, claimed in the same transaction.
-func (o *Orchestrator) transition(ctx context.Context, id, key string, ev event) error {
-	tx, err := o.cfg.Pool.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("saga: begin transaction: %w", err)
-	}
-	defer rollback(tx)
-	// One round trip: the reply's dedup claim and the saga row's lock. On a duplicate the lock
-	// was taken for nothing; the rollback releases it.
-	b := &pgx.Batch{}
-	claimed := true
-	if key != "" {
-		if err := o.ib.QueueClaim(b, key, &claimed); err != nil {
-			return err
-		}
-	}
-	var in *instance
-	var now time.Time
-	o.st.queueLock(b, id, &in, &now)
-	err = tx.SendBatch(ctx, b).Close()
-	if !claimed {
-		o.cfg.Logger.Debug("saga: duplicate reply skipped", "saga_id", id, "dedup_key", key)
-		return nil
-	}
-	if errors.Is(err, errNoSaga) {
-		o.cfg.Logger.Warn("saga: reply for an unknown saga acknowledged", "saga_id", id)
-		o.cfg.Metrics.Ignored("")
-		return commit(ctx, tx)
-	}
-	if err != nil {
-		return fmt.Errorf("saga: claim the reply and lock saga %q: %w", id, o.st.explain(err))
-	}
-	def, err := o.lookup(in.Name, in.Version)
-	if err != nil {
-		return err
-	}
-	fx, err := o.apply(ctx, tx, def, in, now, ev)
-	if err != nil {
-		return err
-	}
-	if err := commit(ctx, tx); err != nil {
-		return err
-	}
-	o.observe(in, fx, now)
-	noteTransition(ctx, in, fx)
-	return nil
+// policy is the orchestrator's retry policy for Handler.
+func (o *Orchestrator) policy() inbox.RetryPolicy {
+	return inbox.RetryPolicy{MaxAttempts: o.cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff,
+		Logger: o.cfg.Logger}
 }
 
-// apply computes a transition and stores it in tx.
-func (o *Orchestrator) apply(ctx context.Context, tx pgx.Tx, def definition, in *instance, now time.Time, ev event) (*effects, error) {
+// advance computes the transition of one event on a locked saga and runs what it asks to run
+// in tx (OnReplyTx, local steps, the ending hook); storing it is the caller's. Replies
+// (ProcessBatch) and timers (fireBatch) both go through it. A panic in the definition's code
+// is returned as an error.
+func (o *Orchestrator) advance(ctx context.Context, tx pgx.Tx, def definition, in *instance, now time.Time, ev event) (fx *effects, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			fx, err = nil, fmt.Errorf("saga %q (%s): %w: %v", in.ID, in.Name, errPanicked, r)
+		}
+	}()
 	m := &machine{def: def, now: now, in: in, replyTx: runReplyTx(ctx, tx, def, in)}
 	if err := m.apply(ev); err != nil {
 		return nil, fmt.Errorf("saga %q (%s): %w", in.ID, in.Name, err)
@@ -330,11 +288,11 @@ func (o *Orchestrator) apply(ctx context.Context, tx pgx.Tx, def definition, in 
 	if err := runLocals(ctx, tx, m); err != nil {
 		return nil, err
 	}
-	if err := o.st.saveTx(ctx, tx, o.cfg.Writer, in, &m.fx); err != nil {
-		return nil, err
-	}
 	return &m.fx, nil
 }
+
+// errPanicked is wrapped by the error of a transition whose definition code panicked.
+var errPanicked = errors.New("panic in the saga definition's code")
 
 func (o *Orchestrator) observe(in *instance, fx *effects, now time.Time) {
 	observeLocal(o.cfg.Metrics, in, fx)
@@ -436,6 +394,14 @@ func (o *Orchestrator) FireDue(ctx context.Context) (int, error) {
 		n, err := o.fireBatch(ctx, 1)
 		var te *timerError
 		switch {
+		case errors.As(err, &te) && errors.Is(te.err, errPanicked):
+			// Firing it again would only panic again: the saga stops, with the panic as its
+			// error, until an operator resumes it.
+			o.cfg.Logger.Error("saga: stuck: a timer's transition panicked; resume it with `onceflow saga retry` once the cause is fixed",
+				"saga_id", te.sagaID, "kind", te.kind, "err", te.err)
+			if serr := o.stuckByTimer(ctx, te); serr != nil {
+				return fired, serr
+			}
 		case errors.As(err, &te):
 			o.cfg.Logger.Error("saga: a timer's transition failed; postponed by a minute", "saga_id", te.sagaID, "kind", te.kind, "err", te.err)
 			if perr := o.postpone(ctx, te.sagaID, te.kind); perr != nil {
@@ -461,6 +427,29 @@ func (e *timerError) Error() string {
 	return fmt.Sprintf("saga %q, %s timer: %v", e.sagaID, e.kind, e.err)
 }
 func (e *timerError) Unwrap() error { return e.err }
+
+// stuckByTimer sets the saga of a timer whose transition panicked stuck with the panic, and
+// deletes the timer, in one transaction.
+func (o *Orchestrator) stuckByTimer(ctx context.Context, te *timerError) error {
+	var name string
+	err := pgx.BeginFunc(ctx, o.cfg.Pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, o.st.delTimer, te.sagaID, te.kind); err != nil {
+			return err
+		}
+		err := tx.QueryRow(ctx, o.st.stuck, te.sagaID, fmt.Sprintf("the %s timer could not be applied: %v", te.kind, te.err)).Scan(&name)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return nil // stuck already (an operator's retry panicked) or finished
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("saga: set saga %q stuck: %w", te.sagaID, o.st.explain(err))
+	}
+	if name != "" {
+		o.cfg.Metrics.Stuck(name)
+	}
+	return nil
+}
 
 func (o *Orchestrator) postpone(ctx context.Context, sagaID, kind string) error {
 	_, err := o.cfg.Pool.Exec(ctx, `UPDATE `+pgsql.Table(o.cfg.Schema, "saga_timer")+
@@ -509,7 +498,10 @@ func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (_ int, err err
 		}
 		t := d.t
 		tctx, span := startTimer(ctx, o.tr, in, t)
-		fx, err := o.apply(tctx, tx, def, in, now, event{timer: &t})
+		fx, err := o.advance(tctx, tx, def, in, now, event{timer: &t})
+		if err == nil && fx.stale == "" {
+			err = o.st.saveTx(tctx, tx, o.cfg.Writer, in, fx)
+		}
 		fired = append(fired, done{in, fx, now, span})
 		if err != nil {
 			return 0, &timerError{d.sagaID, d.t.Kind, err}

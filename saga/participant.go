@@ -224,133 +224,225 @@ func barrierKey(sagaID, step string, phase outbox.SagaPhase) string {
 // errTxManaged is what Commit and Rollback return on a handler's transaction.
 var errTxManaged = fmt.Errorf("%w (saga participant: it commits after writing the reply; to abort, return an error)", outbox.ErrTxManaged)
 
-// handle runs one command, trying it again while its handler fails with an ordinary error,
-// then answering it as a failed attempt (see Action). Other errors (the database unreachable)
-// are returned, so the router redelivers the command.
+// handle runs one command: the batch engine (stepProcessor) with a batch of one, tried again
+// while its handler fails with an ordinary error and then answered as a failed attempt (see
+// Action), by the same policy as the batched consumer's. A failure of the transaction as a
+// whole (the database unreachable, a deadlock) counts no attempt and is retried until the
+// message's context ends; then its error is returned, so the router redelivers the command.
 func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run stepRun) error {
-	ref, replyTo, key, err := p.readCommand(msg, phase)
-	if err != nil {
+	if _, _, _, err := p.readCommand(msg, phase); err != nil {
 		// Poison: no retry can fix it; inbox.IsPoison is true so a poison queue takes it.
 		return err
 	}
-	for tries := 1; ; tries++ {
-		err := p.handleOnce(msg, phase, ref, replyTo, key, run)
-		var he *handlerError
-		if !errors.As(err, &he) {
-			return err
-		}
-		if tries >= p.cfg.MaxAttempts {
-			return p.settle(msg.Context(), msg, phase, inbox.Poison{Attempts: tries, Err: he.err})
-		}
-		p.cfg.Logger.Warn("saga participant: the handler failed; trying the command again", "consumer", p.cfg.Consumer,
-			"saga_id", ref.ID, "step", ref.Step, "try", tries, "max_attempts", p.cfg.MaxAttempts, "err", he.err)
-		if !sleepCtx(msg.Context(), retryBackoff(tries)) {
-			return he.err
-		}
-	}
+	sp := &stepProcessor{p: p, phase: phase, run: run}
+	return p.policy().ApplyOne(msg.Context(), sp, msg, "", nil)
 }
 
-// handlerError is a handler's ordinary error (neither Fail nor Retry), or its panic.
-type handlerError struct{ err error }
+// policy is the participant's retry policy for its per-message handlers.
+func (p *Participant) policy() inbox.RetryPolicy {
+	return inbox.RetryPolicy{MaxAttempts: p.cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff,
+		Logger: p.cfg.Logger.With("consumer", p.cfg.Consumer)}
+}
 
-func (e *handlerError) Error() string { return e.err.Error() }
-func (e *handlerError) Unwrap() error { return e.err }
-
-func (p *Participant) handleOnce(msg *message.Message, phase outbox.SagaPhase, ref outbox.SagaRef, replyTo, key string, run stepRun) (err error) {
-	ctx, span := startMessage(p.tr, msg, ref, p.cfg.Consumer)
-	defer func() { endMessage(span, err) }()
+// runBatch runs cmds in one transaction: their dedup keys claimed in one statement, the
+// barrier's keys claimed and read in one round trip and decided by decideBarrier, the
+// handlers run in order, the actions' results and every reply written in one round trip, one
+// commit. When a handler returns Fail or Retry it stops and returns that command's index and
+// outcome (nothing is kept): the caller runs the batch again with that outcome decided.
+func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds []*command, run stepRun) (int, *outcomeError, error) {
 	tx, err := p.cfg.Pool.Begin(ctx)
 	if err != nil {
-		return fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
+		return 0, nil, fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
 	}
 	defer rollback(tx)
-	actionKey := barrierKey(ref.ID, ref.Step, outbox.SagaPhaseAction)
-	compKey := barrierKey(ref.ID, ref.Step, outbox.SagaPhaseCompensation)
-	// One round trip: the command's dedup claim, the savepoint that the handler's writes (and
-	// the barrier's claims) roll back to on Fail or Retry, and the barrier. The claims lock
-	// in one order (action key, then compensation key) in every transaction, so an action
-	// and its compensation wait for each other instead of deadlocking.
+	keys := make([]string, len(cmds))
+	for i, c := range cmds {
+		keys[i] = c.key
+	}
+	claimed, err := p.ib.ClaimTx(ctx, tx, keys...)
+	if err != nil {
+		return 0, nil, err
+	}
+	var fresh []*command
+	for i, c := range cmds {
+		if !claimed[i] {
+			p.skip(c.ref, BarrierDuplicate, "the same command again")
+			continue
+		}
+		fresh = append(fresh, c)
+	}
+	if len(fresh) == 0 {
+		return 0, nil, nil // all duplicates: nothing to commit
+	}
+	verdicts, results, err := p.barrier(ctx, tx, fresh)
+	if err != nil {
+		return 0, nil, err
+	}
+	var replies []*message.Message
+	var origin []int         // index in the batch of the command replies[i] answers
+	var kept []string        // action keys whose handler ran
+	var keptResults [][]byte // and what they returned
+	for i, c := range fresh {
+		payload, outcome, reason := []byte("{}"), outbox.SagaOutcomeDone, ""
+		replyCtx := ctx
+		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
+		switch verdicts[i] {
+		case verdictDecided:
+			outcome, reason = c.outcome.outcome, c.outcome.reason
+		case verdictHanging:
+			p.skip(c.ref, BarrierHangingAction, "the action arrived after its compensation")
+			continue // its dedup row commits; no reply
+		case verdictTookEffect:
+			p.skip(c.ref, BarrierDuplicate, "an earlier attempt took effect; answered with the result it kept")
+			if r := results[actionKey]; r != nil {
+				payload = r
+			}
+		case verdictCompensated:
+			p.skip(c.ref, BarrierDuplicate, "an earlier attempt compensated; answered as done")
+		case verdictNullCompensation:
+			// The action never ran; its key is now taken, so it never will. Nothing to undo.
+			p.skip(c.ref, BarrierNullCompensation, "the action never ran")
+		case verdictRun:
+			mctx, span := startMessage(p.tr, c.msg, c.ref, p.cfg.Consumer)
+			replyCtx = mctx
+			out, err := p.runHandler(mctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+				return run(ctx, tx, c.msg, results[actionKey])
+			})
+			endMessage(span, err)
+			var oe *outcomeError
+			switch {
+			case errors.As(err, &oe):
+				return c.index, oe, nil
+			case err != nil && ctx.Err() != nil:
+				return 0, nil, fmt.Errorf("saga participant %q: %w", p.cfg.Consumer, err)
+			case err != nil:
+				// A deadlock, a lost connection: the batch's; anything else the command's.
+				return 0, nil, inbox.Blame(err, tx.Conn(), c.index)
+			}
+			payload = out
+			if phase == outbox.SagaPhaseAction {
+				results[actionKey] = out // a later attempt in this batch is answered with it
+				kept = append(kept, actionKey)
+				keptResults = append(keptResults, out)
+			}
+		}
+		reply := p.reply(c.msg, c.ref, c.replyTo, outcome, reason, payload)
+		if verdicts[i] == verdictRun {
+			reply.SetContext(replyCtx) // its `create` span continues the command's trace
+		}
+		replies = append(replies, reply)
+		origin = append(origin, c.index)
+	}
+	// One round trip: the actions' results kept with their barrier rows, and every reply.
 	b := &pgx.Batch{}
-	var fresh, actionFree, compFree, compensated bool
-	var actionResult []byte
-	if err := p.ib.QueueClaim(b, key, &fresh); err != nil {
-		return err
+	for i, k := range kept {
+		b.Queue(p.keepResultSQL, p.cfg.Consumer, k, keptResults[i])
 	}
-	b.Queue(`SAVEPOINT onceflow_saga_step`)
-	if err := p.ib.QueueClaim(b, actionKey, &actionFree); err != nil {
-		return err
+	if len(replies) > 0 {
+		if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", replies...); err != nil {
+			return 0, nil, refusedBy(origin, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), err))
+		}
 	}
-	if phase == outbox.SagaPhaseAction {
-		// Read after the action key's claim, which waited for a concurrent compensation: if
-		// that committed, its key is visible here.
-		err = p.ib.QueueSeen(b, compKey, &compensated)
-	} else {
-		err = p.ib.QueueClaim(b, compKey, &compFree)
-		// What the action returned, if it ran (read after the claim, which waited for it).
-		b.Queue(p.resultSQL, p.cfg.Consumer, []string{actionKey}).Query(func(rows pgx.Rows) error {
+	if b.Len() > 0 {
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return 0, nil, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), schemaError(p.cfg.Schema, err))
+		}
+	}
+	return 0, nil, commitBlamed(ctx, tx, cmds)
+}
+
+// barrier claims and reads the barrier keys of the fresh commands in one round trip and
+// decides each command (decideBarrier). results holds what the steps' actions kept (by
+// action key), for compensations and for later attempts of actions that took effect.
+//
+// Every command whose outcome is not decided claims its step's action key (a compensation
+// also its own key): the claims lock in key order — an action key sorts before its
+// compensation's — so an action and its compensation wait for each other instead of
+// deadlocking. An action's batch then reads which compensations committed, after its claims,
+// which waited for concurrent compensations.
+func (p *Participant) barrier(ctx context.Context, tx pgx.Tx, fresh []*command) ([]barrierVerdict, map[string][]byte, error) {
+	var claim, seenKeys, actionKeys []string
+	inClaim := map[string]bool{}
+	for _, c := range fresh {
+		if c.outcome != nil {
+			continue
+		}
+		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
+		compKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)
+		if !inClaim[actionKey] {
+			inClaim[actionKey] = true
+			claim = append(claim, actionKey)
+			actionKeys = append(actionKeys, actionKey)
+		}
+		if c.ref.Phase == outbox.SagaPhaseCompensation && !inClaim[compKey] {
+			inClaim[compKey] = true
+			claim = append(claim, compKey)
+		}
+	}
+	for _, c := range fresh {
+		if compKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation); c.outcome == nil && !inClaim[compKey] {
+			seenKeys = append(seenKeys, compKey)
+		}
+	}
+	var got, seen []bool
+	results := map[string][]byte{}
+	if len(claim) > 0 {
+		b := &pgx.Batch{}
+		if err := p.ib.QueueClaimMany(b, claim, &got); err != nil {
+			return nil, nil, err
+		}
+		if len(seenKeys) > 0 {
+			if err := p.ib.QueueSeenMany(b, seenKeys, &seen); err != nil {
+				return nil, nil, err
+			}
+		}
+		b.Queue(p.resultSQL, p.cfg.Consumer, actionKeys).Query(func(rows pgx.Rows) error {
 			for rows.Next() {
 				var k string
-				if err := rows.Scan(&k, &actionResult); err != nil {
+				var r []byte
+				if err := rows.Scan(&k, &r); err != nil {
 					return err
 				}
+				results[k] = r
 			}
 			return rows.Err()
 		})
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return nil, nil, fmt.Errorf("saga participant %q: barrier of %d commands: %w", p.cfg.Consumer, len(fresh), schemaError(p.cfg.Schema, err))
+		}
 	}
-	if err != nil {
-		return err
+	taken := map[string]bool{} // barrier key → it existed before this transaction
+	for i, k := range claim {
+		taken[k] = !got[i] // claim holds distinct keys: got[i] is k's own
 	}
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return fmt.Errorf("saga participant %q: claim %s: %w", p.cfg.Consumer, key, schemaError(p.cfg.Schema, err))
+	for i, k := range seenKeys {
+		taken[k] = taken[k] || seen[i]
 	}
-	if !fresh {
-		p.skip(ref, BarrierDuplicate, "the same command again")
+	before := map[stepID]barrierState{}
+	in := make([]barrierCmd, len(fresh))
+	for i, c := range fresh {
+		id := stepID{c.ref.ID, c.ref.Step}
+		before[id] = barrierState{
+			ActionTaken: taken[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)],
+			CompTaken:   taken[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)],
+		}
+		in[i] = barrierCmd{Saga: c.ref.ID, Step: c.ref.Step, Phase: c.ref.Phase, Decided: c.outcome != nil}
+	}
+	return decideBarrier(in, before), results, nil
+}
+
+// commitBlamed commits a participant's batch: a failure at COMMIT is the batch's when
+// transient, else the command's (a deferred constraint of the handler's), see inbox.Blame.
+func commitBlamed(ctx context.Context, tx pgx.Tx, cmds []*command) error {
+	err := commit(ctx, tx)
+	if err == nil {
 		return nil
 	}
-	var payload []byte
-	var runErr error
-	switch {
-	case phase == outbox.SagaPhaseAction && !actionFree && compensated:
-		p.skip(ref, BarrierHangingAction, "the action arrived after its compensation")
-		return commit(ctx, tx) // keep this attempt's dedup row
-	case phase == outbox.SagaPhaseAction && !actionFree:
-		p.skip(ref, BarrierDuplicate, "an earlier attempt took effect; its reply is on its way")
-		return commit(ctx, tx)
-	case phase == outbox.SagaPhaseCompensation && actionFree:
-		// The action never ran; its key is now taken, so it never will. Nothing to undo.
-		p.skip(ref, BarrierNullCompensation, "the action never ran")
-		payload = []byte("{}")
-	case phase == outbox.SagaPhaseCompensation && !compFree:
-		p.skip(ref, BarrierDuplicate, "an earlier attempt compensated; its reply is on its way")
-		return commit(ctx, tx)
-	default:
-		payload, runErr = p.runHandler(ctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) { return run(ctx, tx, msg, actionResult) })
+	idx := -1
+	if len(cmds) == 1 {
+		idx = cmds[0].index
 	}
-	outcome, reason := outbox.SagaOutcomeDone, ""
-	var oe *outcomeError
-	switch {
-	case errors.As(runErr, &oe):
-		outcome, reason, payload = oe.outcome, oe.reason, []byte("{}")
-		if _, err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_step`); err != nil {
-			return fmt.Errorf("saga participant %q: roll back the handler's writes: %w", p.cfg.Consumer, err)
-		}
-	case pgsql.IsTransient(runErr):
-		return runErr // a deadlock, a lost connection: rolled back and redelivered, no try counted
-	case runErr != nil:
-		return &handlerError{runErr} // everything rolls back; handle tries again
-	}
-	// One round trip: the action's result kept with its barrier row, and the reply.
-	b = &pgx.Batch{}
-	if phase == outbox.SagaPhaseAction && outcome == outbox.SagaOutcomeDone {
-		b.Queue(p.keepResultSQL, p.cfg.Consumer, actionKey, payload)
-	}
-	if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", p.reply(msg, ref, replyTo, outcome, reason, payload)); err != nil {
-		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, err)
-	}
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return fmt.Errorf("saga participant %q: write the reply: %w", p.cfg.Consumer, schemaError(p.cfg.Schema, err))
-	}
-	return commit(ctx, tx)
+	return inbox.Blame(err, tx.Conn(), idx)
 }
 
 // runHandler runs the handler on a view of tx that it cannot end. A handler that tried to end
@@ -366,7 +458,9 @@ func (p *Participant) runHandler(ctx context.Context, tx pgx.Tx, run func(contex
 		}()
 		payload, err = run(ctx, view)
 	}()
-	if misuse := done(); misuse != nil {
+	// The handler's own error wins: it says why the transaction is aborted (a deadlock is
+	// the batch's, not the command's).
+	if misuse := done(); misuse != nil && err == nil {
 		return nil, fmt.Errorf("saga participant %q: %w", p.cfg.Consumer, misuse)
 	}
 	return payload, err

@@ -118,6 +118,15 @@ func (in *instance) afterAttempts() string {
 	return n
 }
 
+// stuckPhase is the phase a stuck saga was in when it stopped: compensation when its current
+// step was being compensated, else action (it was moving forward).
+func (in *instance) stuckPhase() outbox.SagaPhase {
+	if in.Step < len(in.Steps) && in.Steps[in.Step].Status == stepCompensating {
+		return outbox.SagaPhaseCompensation
+	}
+	return outbox.SagaPhaseAction
+}
+
 func (in *instance) phase() outbox.SagaPhase {
 	if in.State == StateRunning {
 		return outbox.SagaPhaseAction
@@ -393,12 +402,21 @@ func (m *machine) onOperator(action string) error {
 		if in.State != StateStuck {
 			return m.stale("retry requested, but the saga is " + string(in.State) + ", not stuck")
 		}
-		in.State = StateCompensating
+		// Resume the way it was going: a saga stuck while compensating (its compensation
+		// kept failing) re-sends the compensation; one stuck moving forward (a reply that
+		// could not be applied, a timer that failed) re-sends the step's command — the
+		// participant answers a later attempt of an action that took effect with the result
+		// it kept, so the saga moves on without running the action twice.
+		phase := in.stuckPhase()
+		in.State = StateRunning
+		if phase == outbox.SagaPhaseCompensation {
+			in.State = StateCompensating
+		}
 		in.Error = ""
 		in.Budget = in.Attempt // a fresh attempt budget
 		in.Attempt++
 		in.Waiting = waitReply
-		return m.send(in.Step, outbox.SagaPhaseCompensation, in.Attempt)
+		return m.send(in.Step, phase, in.Attempt)
 	case actCompensate:
 		if in.State != StateRunning {
 			return m.stale("compensation requested, but the saga is " + string(in.State))

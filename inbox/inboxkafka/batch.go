@@ -10,12 +10,14 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/failure"
+	"github.com/onceflow/onceflow/internal/kafkarecord"
+	"github.com/onceflow/onceflow/migrations"
 )
 
 // BatchConsumer defaults.
@@ -103,7 +105,8 @@ type BatchConsumer struct {
 	cfg   BatchConfig
 	cl    *kgo.Client
 	log   *slog.Logger
-	slots chan struct{} // Workers: batches applied at once
+	slots chan struct{} // Workers: transactions applied at once
+	proc  slotted       // cfg.Processor, each call holding a slot
 
 	mu      sync.Mutex
 	runCtx  context.Context // Run's; workers started by assignments derive from it
@@ -201,6 +204,7 @@ func NewBatchConsumer(cfg BatchConfig) (*BatchConsumer, error) {
 	}
 	c := &BatchConsumer{cfg: cfg, log: cfg.Logger.With("group", cfg.Group), slots: make(chan struct{}, cfg.Workers),
 		workers: map[partition]*worker{}}
+	c.proc = slotted{c}
 	opts = append(opts,
 		kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, assigned map[string][]int32) { c.assign(assigned) }),
 		// franz-go waits for these before it hands the partitions over (or rejoins).
@@ -235,13 +239,13 @@ func (c *BatchConsumer) commitMarked(ctx context.Context, cl *kgo.Client) {
 // processor with a CheckSchema method: the inbox's, the saga orchestrator and participants;
 // the error matches migrations.ErrNotMigrated and names the command to run). Call it once.
 func (c *BatchConsumer) Run(ctx context.Context) error {
-	// Fail fast on an unmigrated schema rather than retry every batch forever: the inbox's
-	// processors, the saga orchestrator and participants can tell.
-	if sc, ok := c.cfg.Processor.(interface{ CheckSchema(context.Context) error }); ok {
-		if err := sc.CheckSchema(ctx); err != nil {
-			c.Close()
-			return fmt.Errorf("inboxkafka: batch consumer of group %q: %w", c.cfg.Group, err)
-		}
+	if err := c.waitForSchema(ctx); err != nil {
+		c.Close()
+		return err
+	}
+	if ctx.Err() != nil {
+		c.Close()
+		return nil
 	}
 	c.mu.Lock()
 	c.runCtx = ctx
@@ -271,6 +275,37 @@ func (c *BatchConsumer) Run(ctx context.Context) error {
 			}
 		})
 		c.cl.AllowRebalance()
+	}
+}
+
+// waitForSchema checks the processor's schema before the consumer joins its group (a processor
+// with a CheckSchema method: the inbox's, the saga orchestrator and participants). An
+// unmigrated schema is fatal: no retry can fix it, so Run says which command to run. Any other
+// failure (PostgreSQL down or restarting) is waited out with backoff, one log line a round,
+// until the check passes or ctx ends (nil).
+func (c *BatchConsumer) waitForSchema(ctx context.Context) error {
+	sc, ok := c.cfg.Processor.(interface{ CheckSchema(context.Context) error })
+	if !ok {
+		return nil
+	}
+	for round := 1; ; round++ {
+		err := sc.CheckSchema(ctx)
+		switch {
+		case err == nil:
+			if round > 1 {
+				c.log.Info("inboxkafka: the database answers; starting", "rounds", round)
+			}
+			return nil
+		case ctx.Err() != nil:
+			return nil
+		case errors.Is(err, migrations.ErrNotMigrated):
+			return fmt.Errorf("inboxkafka: batch consumer of group %q: %w", c.cfg.Group, err)
+		}
+		wait := failure.Backoff(c.cfg.Backoff, c.cfg.MaxBackoff, round)
+		c.log.Error("inboxkafka: cannot check the database schema; waiting for the database before starting", "err", err, "retry_in", wait, "round", round)
+		if !failure.Sleep(ctx, wait) {
+			return nil
+		}
 	}
 }
 
@@ -313,11 +348,11 @@ func (c *BatchConsumer) stop(parts map[string][]int32) {
 	for _, w := range stopped {
 		<-w.done
 		w.mu.Lock()
-		paused := w.paused
-		w.mu.Unlock()
-		if paused { // a later assignment of the partition must fetch it
+		if w.paused { // a later assignment of the partition must fetch it
+			w.paused = false
 			c.cl.ResumeFetchPartitions(map[string][]int32{w.p.topic: {w.p.id}})
 		}
+		w.mu.Unlock()
 	}
 }
 
@@ -330,14 +365,16 @@ func (c *BatchConsumer) dispatch(p partition, recs []*kgo.Record) {
 	if w == nil {
 		return // revoked meanwhile: the next owner reads them from the committed offset
 	}
+	// Paused and resumed under the worker's lock, so a resume decided by the worker can never
+	// be overtaken by an earlier pause (which would leave the partition paused with an empty
+	// queue), nor a pause by an earlier resume (which would void the memory bound).
 	w.mu.Lock()
 	w.queue = append(w.queue, recs...)
-	pause := !w.paused && len(w.queue) > c.pauseAbove()
-	w.paused = w.paused || pause
-	w.mu.Unlock()
-	if pause {
+	if !w.paused && len(w.queue) > c.pauseAbove() {
+		w.paused = true
 		c.cl.PauseFetchPartitions(map[string][]int32{p.topic: {p.id}})
 	}
+	w.mu.Unlock()
 	select {
 	case w.wake <- struct{}{}:
 	default:
@@ -355,12 +392,11 @@ func (c *BatchConsumer) work(ctx context.Context, w *worker) {
 		n := min(len(w.queue), c.cfg.MaxBatch)
 		recs := w.queue[:n:n]
 		w.queue = w.queue[n:]
-		resume := w.paused && len(w.queue) <= c.pauseAbove()/4
-		w.paused = w.paused && !resume
-		w.mu.Unlock()
-		if resume {
+		if w.paused && len(w.queue) <= c.pauseAbove()/4 {
+			w.paused = false
 			c.cl.ResumeFetchPartitions(map[string][]int32{w.p.topic: {w.p.id}})
 		}
+		w.mu.Unlock()
 		if n == 0 {
 			select {
 			case <-ctx.Done():
@@ -369,14 +405,7 @@ func (c *BatchConsumer) work(ctx context.Context, w *worker) {
 				continue
 			}
 		}
-		select {
-		case c.slots <- struct{}{}:
-		case <-ctx.Done():
-			return
-		}
-		done := c.settle(ctx, recs)
-		<-c.slots
-		if !done {
+		if !c.settle(ctx, recs) {
 			return // ctx ended: the rest is redelivered to the partition's next owner
 		}
 	}
@@ -387,7 +416,7 @@ func (c *BatchConsumer) work(ctx context.Context, w *worker) {
 func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) bool {
 	msgs := make([]*message.Message, len(recs))
 	for i, r := range recs {
-		msgs[i] = toMessage(ctx, r)
+		msgs[i] = kafkarecord.Decode(ctx, r)
 	}
 	for done := 0; done < len(recs); {
 		n := min(c.cfg.MaxBatch, len(recs)-done)
@@ -415,7 +444,7 @@ func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) bool {
 // whose handler failed in this batch: the caller goes on with it alone.
 func (c *BatchConsumer) apply(ctx context.Context, recs []*kgo.Record, msgs []*message.Message) (n int, failed error) {
 	for failures := 0; ; failures++ {
-		err := c.cfg.Processor.ProcessBatch(ctx, msgs)
+		err := c.proc.ProcessBatch(ctx, msgs)
 		if err == nil {
 			return len(msgs), nil
 		}
@@ -440,79 +469,67 @@ func (c *BatchConsumer) apply(ctx context.Context, recs []*kgo.Record, msgs []*m
 		if ctx.Err() != nil {
 			return 0, nil
 		}
-		// The batch as a whole was refused (database unreachable): retry it, counting no
-		// attempt against its messages.
-		c.logRefused(failures, len(msgs), recs[0], err)
-		if !sleep(ctx, c.backoff(failures+1)) {
+		// The batch as a whole was refused: it counts no attempt against its messages. A
+		// deadlock or serialization failure is retried at once; when it repeats, the rows the
+		// batch touches are hot (other partitions update them too), and a smaller batch holds
+		// fewer of their locks for less time: halve it, down to one message.
+		if failure.Contention(err) && failures > 0 && len(msgs) > 1 {
+			c.log.Warn("inboxkafka: a batch keeps conflicting with concurrent transactions; applying it in halves",
+				"batch", len(msgs), "source", source(recs[0]), "err", err)
+			return c.apply(ctx, recs[:len(msgs)/2], msgs[:len(msgs)/2])
+		}
+		if !c.policy().Refused(ctx, failures, len(msgs), source(recs[0]), err) {
 			return 0, nil
 		}
 	}
 }
 
-func (c *BatchConsumer) logRefused(failures, n int, r *kgo.Record, err error) {
-	// First failure at once, then every 10th, so an outage logs a few lines, not thousands.
-	if failures%10 == 0 {
-		c.log.Error("inboxkafka: a batch could not be applied; retrying it (its messages wait, none is skipped)",
-			"batch", n, "source", source(r), "failures", failures+1, "err", err)
-	}
-}
-
 // settleOne applies one failing message alone until it succeeds or is given up (1), or ctx
-// ends (0). err is its first attempt's error.
+// ends (0), by the retry policy every consumer shares (inbox.RetryPolicy). err is its first
+// attempt's error.
 func (c *BatchConsumer) settleOne(ctx context.Context, r *kgo.Record, msg *message.Message, err error) int {
-	attempts := 1
-	for refused := 0; ; {
-		if inbox.IsPoison(err) || attempts >= c.cfg.MaxAttempts {
-			return c.givenUp(ctx, r, msg, attempts, err)
-		}
-		c.log.Warn("inboxkafka: message failed; retrying it alone (later messages of its partition wait)",
-			"source", source(r), "message_uuid", msg.UUID, "attempt", attempts, "max_attempts", c.cfg.MaxAttempts, "err", err)
-		if !sleep(ctx, c.backoff(attempts)) {
-			return 0
-		}
-		perr := c.cfg.Processor.ProcessBatch(ctx, []*message.Message{msg})
-		var me *inbox.MessageError
-		switch {
-		case perr == nil:
-			return 1
-		case errors.As(perr, &me):
-			attempts++
-			err = me.Err
-		case ctx.Err() != nil:
-			return 0
-		default:
-			c.logRefused(refused, 1, r, perr)
-			refused++
-		}
+	if c.policy().ApplyOne(ctx, c.proc, msg, source(r), err) != nil {
+		return 0
+	}
+	return 1
+}
+
+// policy is the consumer's retry policy.
+func (c *BatchConsumer) policy() inbox.RetryPolicy {
+	return inbox.RetryPolicy{MaxAttempts: c.cfg.MaxAttempts, Backoff: c.cfg.Backoff, MaxBackoff: c.cfg.MaxBackoff, Logger: c.log}
+}
+
+// slotted is the processor as the workers call it: each transaction holds one of the Workers
+// slots while it runs, and none is held while a message waits for its next attempt, so
+// partitions whose messages back off never hold up healthy ones.
+type slotted struct{ c *BatchConsumer }
+
+func (s slotted) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
+	if !s.c.acquire(ctx) {
+		return ctx.Err()
+	}
+	defer s.c.release()
+	return s.c.cfg.Processor.ProcessBatch(ctx, msgs)
+}
+
+func (s slotted) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
+	if !s.c.acquire(ctx) {
+		return ctx.Err()
+	}
+	defer s.c.release()
+	return s.c.cfg.Processor.SettlePoison(ctx, msg, p)
+}
+
+func (c *BatchConsumer) acquire(ctx context.Context) bool {
+	select {
+	case c.slots <- struct{}{}:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }
 
-// givenUp records msg as poison, retrying until the database takes it or ctx ends.
-func (c *BatchConsumer) givenUp(ctx context.Context, r *kgo.Record, msg *message.Message, attempts int, cause error) int {
-	p := inbox.Poison{Source: source(r), Attempts: attempts, Err: cause}
-	for failures := 0; ; failures++ {
-		err := c.cfg.Processor.SettlePoison(ctx, msg, p)
-		if err == nil {
-			return 1
-		}
-		if ctx.Err() != nil {
-			return 0
-		}
-		c.logRefused(failures, 1, r, fmt.Errorf("record poison message: %w", err))
-		if !sleep(ctx, c.backoff(failures+1)) {
-			return 0
-		}
-	}
-}
-
-// backoff is the wait before retry n (n ≥ 1): Backoff, doubled per retry, capped.
-func (c *BatchConsumer) backoff(n int) time.Duration {
-	d := c.cfg.Backoff
-	for i := 1; i < n && d < c.cfg.MaxBackoff; i++ {
-		d *= 2
-	}
-	return min(d, c.cfg.MaxBackoff)
-}
+func (c *BatchConsumer) release() { <-c.slots }
 
 // Close stops the workers (batches in flight finish), commits the marked offsets and leaves
 // the group. Run calls it when it returns; calling it again is a no-op.
@@ -526,36 +543,7 @@ func (c *BatchConsumer) Close() {
 	})
 }
 
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
-
 // source names a record's place: topic/partition@offset.
 func source(r *kgo.Record) string {
 	return r.Topic + "/" + strconv.Itoa(int(r.Partition)) + "@" + strconv.FormatInt(r.Offset, 10)
-}
-
-// toMessage decodes a record as watermill-kafka's DefaultMarshaler does (the relay writes it
-// that way): the UUID from its header, every other header as metadata, the value as payload.
-func toMessage(ctx context.Context, r *kgo.Record) *message.Message {
-	md := make(message.Metadata, len(r.Headers))
-	var id string
-	for _, h := range r.Headers {
-		if h.Key == kafka.UUIDHeaderKey {
-			id = string(h.Value)
-			continue
-		}
-		md[h.Key] = string(h.Value)
-	}
-	msg := message.NewMessage(id, r.Value)
-	msg.Metadata = md
-	msg.SetContext(ctx)
-	return msg
 }

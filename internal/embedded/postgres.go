@@ -169,6 +169,42 @@ func (p *Postgres) Stop() error {
 	return stopErr
 }
 
+// Halt stops the server at once, as a crash or an operator's `pg_ctl stop -m immediate` would
+// (clients lose their connections mid-statement), and keeps its data: Resume starts it again
+// on the same port. For tests of outages.
+func (p *Postgres) Halt(ctx context.Context) error {
+	pgctl, err := findPGBinary("pg_ctl")
+	if err != nil {
+		return err
+	}
+	if out, err := p.run(ctx, pgctl, "-D", filepath.Join(p.dir, "data"), "-m", "immediate", "-w", "stop"); err != nil {
+		return fmt.Errorf("embedded postgres: pg_ctl stop: %w\n%s", err, out)
+	}
+	return nil
+}
+
+// Resume starts a halted server again (it recovers from its WAL first) and returns when it
+// accepts connections.
+func (p *Postgres) Resume(ctx context.Context) error {
+	pgctl, err := findPGBinary("pg_ctl")
+	if err != nil {
+		return err
+	}
+	if out, err := p.run(ctx, pgctl, "-D", filepath.Join(p.dir, "data"), "-l", filepath.Join(p.dir, "server.log"), "-w", "-t", "60", "start"); err != nil {
+		return fmt.Errorf("embedded postgres: pg_ctl start: %w\n%s", err, out)
+	}
+	return nil
+}
+
+// Restart is Halt then Resume: an immediate restart, the way a crash-restart or a failover
+// looks to clients.
+func (p *Postgres) Restart(ctx context.Context) error {
+	if err := p.Halt(ctx); err != nil {
+		return err
+	}
+	return p.Resume(ctx)
+}
+
 func (p *Postgres) run(ctx context.Context, bin string, args ...string) ([]byte, error) {
 	cmd := exec.CommandContext(ctx, bin, args...)
 	cmd.Dir = p.dir

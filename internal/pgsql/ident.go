@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
-	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -54,18 +53,4 @@ const UndefinedTable = "42P01"
 func IsUndefinedTable(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == UndefinedTable
-}
-
-// IsTransient reports whether err says the statement failed for a reason of the moment, not
-// of the data: a serialization failure or deadlock (SQLSTATE class 40), a lost or refused
-// connection (class 08, or an error pgconn knows was never sent), the server shutting down
-// (57P01–57P03). Running the same work again may succeed.
-func IsTransient(err error) bool {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return strings.HasPrefix(pgErr.Code, "40") || strings.HasPrefix(pgErr.Code, "08") ||
-			pgErr.Code == "57P01" || pgErr.Code == "57P02" || pgErr.Code == "57P03"
-	}
-	var connErr *pgconn.ConnectError
-	return pgconn.SafeToRetry(err) || errors.As(err, &connErr)
 }

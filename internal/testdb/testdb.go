@@ -97,7 +97,36 @@ func New(t testing.TB) *DB {
 // nothing is created. For tests of the migrations themselves.
 func NewEmpty(t testing.TB) *DB {
 	t.Helper()
-	url := URL(t)
+	return newEmptyAt(t, URL(t))
+}
+
+// NewServer starts a PostgreSQL cluster of the test's own — for tests that halt or restart
+// the server (embedded.Postgres.Halt, Resume, Restart), which must not disturb the package's
+// other tests — and returns it with a fresh migrated schema on it, like New. The cluster is
+// stopped and removed when the test ends. It starts one even when DATABASE_URL names a
+// server: a test must not restart a server it shares.
+func NewServer(t testing.TB) (*embedded.Postgres, *DB) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	srv, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{})
+	if err != nil {
+		t.Fatalf("testdb: start a PostgreSQL of the test's own: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := srv.Stop(); err != nil {
+			t.Logf("testdb: %v", err)
+		}
+	})
+	db := newEmptyAt(t, srv.URL())
+	if _, err := migrations.Up(ctx, db.Pool, migrations.Options{Schema: db.Schema}); err != nil {
+		t.Fatalf("testdb: migrate schema %s: %v", db.Schema, err)
+	}
+	return srv, db
+}
+
+func newEmptyAt(t testing.TB, url string) *DB {
+	t.Helper()
 	schema := "t_" + randomHex(6)
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {

@@ -3,18 +3,18 @@ package relaykafka
 import (
 	"errors"
 	"fmt"
-	"slices"
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/onceflow/onceflow/internal/kafkarecord"
 	"github.com/onceflow/onceflow/relay"
 )
 
 // UUIDHeader is the Kafka header carrying the event id. It is the header watermill-kafka's
 // DefaultMarshaler writes and reads (kafka.UUIDHeaderKey), so a plain watermill-kafka
 // subscriber sees the outbox row's event_id as the message UUID.
-const UUIDHeader = "_watermill_message_uuid"
+const UUIDHeader = kafkarecord.UUIDHeader
 
 // ErrMessageTooLarge is wrapped (as a relay.UndeliverableError) for rows the Kafka sink refuses to send
 // because their encoded record exceeds Config.MaxMessageBytes.
@@ -43,8 +43,9 @@ func topicChar(c byte) bool {
 
 // ErrReservedHeader is wrapped (as a relay.UndeliverableError) for rows whose metadata uses the header
 // name that carries the event id.
-var ErrReservedHeader = errors.New("metadata key " + UUIDHeader + " is reserved for the event id")
+var ErrReservedHeader = kafkarecord.ErrReservedHeader
 
+// record encodes a row with the codec the batched consumer decodes with (internal/kafkarecord).
 func (s *Sink) record(m *relay.Message) (*kgo.Record, error) {
 	if _, ok := m.Metadata[UUIDHeader]; ok {
 		return nil, ErrReservedHeader
@@ -52,22 +53,9 @@ func (s *Sink) record(m *relay.Message) (*kgo.Record, error) {
 	if err := validTopic(m.Topic); err != nil {
 		return nil, err
 	}
-	rec := &kgo.Record{Topic: m.Topic, Value: m.Payload}
-	if rec.Value == nil {
-		rec.Value = []byte{} // an empty payload, not a null value
-	}
-	if m.Key != "" {
-		rec.Key = []byte(m.Key)
-	}
-	rec.Headers = make([]kgo.RecordHeader, 0, len(m.Metadata)+1)
-	rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: UUIDHeader, Value: []byte(m.EventID)})
-	keys := make([]string, 0, len(m.Metadata))
-	for k := range m.Metadata {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys) // deterministic header order; consumers read them into a map anyway
-	for _, k := range keys {
-		rec.Headers = append(rec.Headers, kgo.RecordHeader{Key: k, Value: []byte(m.Metadata[k])})
+	rec, err := kafkarecord.Encode(m.Topic, m.Key, m.EventID, m.Metadata, m.Payload)
+	if err != nil {
+		return nil, err
 	}
 	if n := encodedSize(rec); n > s.maxBytes {
 		return nil, fmt.Errorf("%w: row %d encodes to about %d bytes, over the %d-byte limit; raise the limit (Config.MaxMessageBytes, --max-message-bytes) together with the topic's max.message.bytes, or store the data elsewhere and send a reference", ErrMessageTooLarge, m.ID, n, s.maxBytes)
