@@ -120,7 +120,13 @@ func forModes(t *testing.T, test func(t *testing.T, batched bool)) {
 // (saga.ActionProcessor, saga.CompensationProcessor, Orchestrator.ProcessBatch) when batched.
 func newWorldMode(t *testing.T, batched bool, def *saga.Definition[Checkout], down ...string) *world {
 	t.Helper()
-	db := testdb.New(t)
+	return newWorldOn(t, testdb.New(t), batched, def, down...)
+}
+
+// newWorldOn is newWorldMode on a given test database (testdb.NewServer's, for a test that
+// restarts its server).
+func newWorldOn(t *testing.T, db *testdb.DB, batched bool, def *saga.Definition[Checkout], down ...string) *world {
+	t.Helper()
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+db.Schema+`.effect (seq bigserial PRIMARY KEY, saga text NOT NULL, step text NOT NULL, phase text NOT NULL)`); err != nil {
 		t.Fatal(err)
