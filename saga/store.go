@@ -91,16 +91,6 @@ func (st store) load(ctx context.Context, q interface {
 	return st.scan(q.QueryRow(ctx, sql, id), id)
 }
 
-// queueLock queues the locking read of a saga into b; after the batch ran, *in and *now hold
-// it (or load's error is returned by the batch).
-func (st store) queueLock(b *pgx.Batch, id string, in **instance, now *time.Time) {
-	b.Queue(st.lock, id).QueryRow(func(row pgx.Row) error {
-		var err error
-		*in, *now, err = st.scan(row, id)
-		return err
-	})
-}
-
 func (st store) scan(row pgx.Row, id string) (*instance, time.Time, error) {
 	return st.scanRow(row, &id)
 }

@@ -44,14 +44,14 @@ func TestClassification(t *testing.T) {
 
 	cases := []struct {
 		name string
-		// make causes the failure and returns its error and the connection it happened on
+		// make causes the failure and returns the connection it happened on and its error
 		// (nil when none or not the transaction's own).
-		make       func(t *testing.T) (error, *pgx.Conn)
+		make       func(t *testing.T) (*pgx.Conn, error)
 		batch      bool // OfBatch: the batch's failure, not the message's
 		contention bool
 	}{
-		{"deadlock (40P01)", func(t *testing.T) (error, *pgx.Conn) { return deadlock(t, ctx, connect(t), connect(t), tbl), nil }, true, true},
-		{"serialization failure (40001)", func(t *testing.T) (error, *pgx.Conn) {
+		{"deadlock (40P01)", func(t *testing.T) (*pgx.Conn, error) { return nil, deadlock(t, ctx, connect(t), connect(t), tbl) }, true, true},
+		{"serialization failure (40001)", func(t *testing.T) (*pgx.Conn, error) {
 			a, b := connect(t), connect(t)
 			ta, err := a.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 			if err != nil {
@@ -65,9 +65,9 @@ func TestClassification(t *testing.T) {
 				t.Fatal(err)
 			}
 			_, err = ta.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 1`)
-			return err, nil
+			return nil, err
 		}, true, true},
-		{"lock timeout (55P03)", func(t *testing.T) (error, *pgx.Conn) {
+		{"lock timeout (55P03)", func(t *testing.T) (*pgx.Conn, error) {
 			a, b := connect(t), connect(t)
 			ta, err := a.Begin(ctx)
 			if err != nil {
@@ -81,17 +81,17 @@ func TestClassification(t *testing.T) {
 				t.Fatal(err)
 			}
 			_, err = b.Exec(ctx, `UPDATE `+tbl+` SET n = n + 1 WHERE id = 2`)
-			return err, nil
+			return nil, err
 		}, true, true},
-		{"statement timeout (57014)", func(t *testing.T) (error, *pgx.Conn) {
+		{"statement timeout (57014)", func(t *testing.T) (*pgx.Conn, error) {
 			c := connect(t)
 			if _, err := c.Exec(ctx, `SET statement_timeout = '50ms'`); err != nil {
 				t.Fatal(err)
 			}
 			_, err := c.Exec(ctx, `SELECT pg_sleep(5)`)
-			return err, nil
+			return nil, err
 		}, true, false},
-		{"backend terminated (57P01)", func(t *testing.T) (error, *pgx.Conn) {
+		{"backend terminated (57P01)", func(t *testing.T) (*pgx.Conn, error) {
 			a, b := connect(t), connect(t)
 			pid := a.PgConn().PID()
 			errc := make(chan error, 1)
@@ -100,9 +100,9 @@ func TestClassification(t *testing.T) {
 			if _, err := b.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid); err != nil {
 				t.Fatal(err)
 			}
-			return <-errc, a
+			return a, <-errc
 		}, true, false},
-		{"connection lost mid-statement", func(t *testing.T) (error, *pgx.Conn) {
+		{"connection lost mid-statement", func(t *testing.T) (*pgx.Conn, error) {
 			p := newProxy(t, db.Pool.Config().ConnConfig.Host, db.Pool.Config().ConnConfig.Port)
 			cfg, err := pgx.ParseConfig(db.URL)
 			if err != nil {
@@ -118,9 +118,9 @@ func TestClassification(t *testing.T) {
 			go func() { _, err := c.Exec(ctx, `SELECT pg_sleep(10)`); errc <- err }()
 			waitActive(t, ctx, connect(t), int64(c.PgConn().PID()))
 			p.cut()
-			return <-errc, c
+			return c, <-errc
 		}, true, false},
-		{"connection refused", func(t *testing.T) (error, *pgx.Conn) {
+		{"connection refused", func(t *testing.T) (*pgx.Conn, error) {
 			l, err := net.Listen("tcp", "127.0.0.1:0")
 			if err != nil {
 				t.Fatal(err)
@@ -128,17 +128,17 @@ func TestClassification(t *testing.T) {
 			port := l.Addr().(*net.TCPAddr).Port
 			_ = l.Close()
 			_, err = pgx.Connect(ctx, fmt.Sprintf("postgres://x@127.0.0.1:%d/x?connect_timeout=2", port))
-			return err, nil
+			return nil, err
 		}, true, false},
 		// A server in recovery or out of connection slots answers like this; neither state can
 		// be produced on demand here, so these two are built as pgconn reports them.
-		{"server starting up (57P03)", func(*testing.T) (error, *pgx.Conn) {
-			return &pgconn.PgError{Severity: "FATAL", Code: "57P03", Message: "the database system is starting up"}, nil
+		{"server starting up (57P03)", func(*testing.T) (*pgx.Conn, error) {
+			return nil, &pgconn.PgError{Severity: "FATAL", Code: "57P03", Message: "the database system is starting up"}
 		}, true, false},
-		{"too many connections (53300)", func(*testing.T) (error, *pgx.Conn) {
-			return &pgconn.PgError{Severity: "FATAL", Code: "53300", Message: "sorry, too many clients already"}, nil
+		{"too many connections (53300)", func(*testing.T) (*pgx.Conn, error) {
+			return nil, &pgconn.PgError{Severity: "FATAL", Code: "53300", Message: "sorry, too many clients already"}
 		}, true, false},
-		{"conn busy: a handler left rows open", func(t *testing.T) (error, *pgx.Conn) {
+		{"conn busy: a handler left rows open", func(t *testing.T) (*pgx.Conn, error) {
 			c := connect(t)
 			rows, err := c.Query(ctx, `SELECT generate_series(1, 1000)`)
 			if err != nil {
@@ -146,19 +146,19 @@ func TestClassification(t *testing.T) {
 			}
 			defer rows.Close()
 			_, err = c.Exec(ctx, `SELECT 1`)
-			return err, c
+			return c, err
 		}, false, false},
-		{"conn closed: a handler used a closed connection", func(t *testing.T) (error, *pgx.Conn) {
+		{"conn closed: a handler used a closed connection", func(t *testing.T) (*pgx.Conn, error) {
 			c := connect(t)
 			_ = c.Close(ctx)
 			_, err := c.Exec(ctx, `SELECT 1`)
-			return err, nil
+			return nil, err
 		}, false, false},
-		{"unique violation (23505)", func(t *testing.T) (error, *pgx.Conn) {
+		{"unique violation (23505)", func(t *testing.T) (*pgx.Conn, error) {
 			_, err := db.Pool.Exec(ctx, `INSERT INTO `+tbl+` VALUES (1, 0)`)
-			return err, nil
+			return nil, err
 		}, false, false},
-		{"deferred constraint violated at COMMIT", func(t *testing.T) (error, *pgx.Conn) {
+		{"deferred constraint violated at COMMIT", func(t *testing.T) (*pgx.Conn, error) {
 			tx, err := db.Pool.Begin(ctx)
 			if err != nil {
 				t.Fatal(err)
@@ -166,19 +166,19 @@ func TestClassification(t *testing.T) {
 			if _, err := tx.Exec(ctx, `INSERT INTO `+deferred+` VALUES (7), (7)`); err != nil {
 				t.Fatal(err)
 			}
-			return tx.Commit(ctx), tx.Conn()
+			return tx.Conn(), tx.Commit(ctx)
 		}, false, false},
-		{"syntax error", func(t *testing.T) (error, *pgx.Conn) {
+		{"syntax error", func(t *testing.T) (*pgx.Conn, error) {
 			_, err := db.Pool.Exec(ctx, `SELEC 1`)
-			return err, nil
+			return nil, err
 		}, false, false},
-		{"aborted transaction the handler carried on in", func(*testing.T) (error, *pgx.Conn) { return pgsql.ErrTxAborted, nil }, false, false},
-		{"a handler's own error", func(*testing.T) (error, *pgx.Conn) { return errors.New("card declined"), nil }, false, false},
-		{"nil", func(*testing.T) (error, *pgx.Conn) { return nil, nil }, false, false},
+		{"aborted transaction the handler carried on in", func(*testing.T) (*pgx.Conn, error) { return nil, pgsql.ErrTxAborted }, false, false},
+		{"a handler's own error", func(*testing.T) (*pgx.Conn, error) { return nil, errors.New("card declined") }, false, false},
+		{"nil", func(*testing.T) (*pgx.Conn, error) { return nil, nil }, false, false},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			err, conn := c.make(t)
+			conn, err := c.make(t)
 			if c.name != "nil" && err == nil {
 				t.Fatal("the failure did not happen")
 			}

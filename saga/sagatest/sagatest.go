@@ -28,6 +28,7 @@ import (
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/migrations"
 	"github.com/onceflow/onceflow/saga"
 )
 
@@ -86,7 +87,9 @@ func (b *Bus) Orchestrate(o *saga.Orchestrator) {
 
 // Deliver fires due timers, then hands every outbox row pending now to the handlers of its
 // topic, in outbox order, deleting each row once its handlers succeeded. It returns how many
-// rows it delivered. A handler error stops it and is returned; that row stays pending.
+// rows it delivered. A handler error stops it and is returned; that row stays pending. A batch
+// that fails as a whole (not a *inbox.MessageError) is retried first, as the batched
+// consumer does.
 // Rows of topics nobody subscribed to are left in the outbox.
 func (b *Bus) Deliver(ctx context.Context) (int, error) {
 	for _, o := range b.orchs {
@@ -179,7 +182,7 @@ func (b *Bus) Deliver(ctx context.Context) (int, error) {
 				}
 				batch := copies[c]
 				b.Delivered += len(batch)
-				deliveries = append(deliveries, func() error { return p.ProcessBatch(ctx, batch) })
+				deliveries = append(deliveries, func() error { return processBatch(ctx, p, batch) })
 			}
 		}
 		if err := b.run(deliveries); err != nil {
@@ -198,6 +201,24 @@ func boolInt(v bool) int {
 		return 1
 	}
 	return 0
+}
+
+// processBatch hands a batch to p as inboxkafka.BatchConsumer does: a failure of the batch as a
+// whole (a deadlock, a lock timeout, a lost connection: not a *inbox.MessageError) counts no
+// attempt and is retried — here up to 20 times, 10 ms apart, then returned.
+func processBatch(ctx context.Context, p inbox.BatchProcessor, batch []*message.Message) error {
+	for failures := 1; ; failures++ {
+		err := p.ProcessBatch(ctx, batch)
+		var me *inbox.MessageError
+		if err == nil || errors.As(err, &me) || failures >= 20 || errors.Is(err, migrations.ErrNotMigrated) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 }
 
 // run calls the deliveries one after the other, or all at once when Concurrent is set.
