@@ -102,6 +102,7 @@ var scenarios = []scenario{
 	{"http", benchHTTP},
 	{"saga", benchSaga},
 	{"saga_local", benchSagaLocal},
+	{"saga_hot", benchSagaHot},
 	{"stats", benchStats},
 	{"tracing", benchTracing},
 }

@@ -48,6 +48,9 @@ type durations struct {
 	mu   sync.Mutex
 	took []time.Duration
 	done atomic.Int64
+	// compensated counts the sagas that compensated: none is planned, so each is a step that
+	// timed out or failed.
+	compensated atomic.Int64
 }
 
 func (d *durations) Completed(_ string, took time.Duration) {
@@ -57,13 +60,15 @@ func (d *durations) Completed(_ string, took time.Duration) {
 	d.done.Add(1)
 }
 
-func (d *durations) Compensated(string, time.Duration) { d.done.Add(1) }
+func (d *durations) Compensated(string, time.Duration) { d.compensated.Add(1); d.done.Add(1) }
 
 // sagaFigures are one run's measurements.
 type sagaFigures struct {
 	rate             float64       // sagas/s, sagaBenchWriters writers
 	p50, p99         time.Duration // start → completed at sagaLatencyRate
 	slowP50, slowP99 time.Duration // at sagaSlowRate
+	// compensated: sagas that compensated (none planned: a step timed out or failed).
+	compensated int64
 	// txPerSaga and msgPerSaga: the transactions a saga costs (its start, and one per command
 	// and per reply applied, as the per-message path commits them: counted from the dedup
 	// rows) and the messages the relay published for it (outbox rows written), per saga.
@@ -76,7 +81,13 @@ type sagaShape struct {
 	batched bool
 	steps   []string
 	local   map[string]bool
+	// hot: every reserve also updates one of five stock rows (hot rows), and each remote step
+	// has a 10 s reply timeout; only the throughput run is measured.
+	hot bool
 }
+
+// hotSKUs is how many stock rows the hot shape's reserves update.
+const hotSKUs = 5
 
 var threeRemote = []string{"reserve", "charge", "confirm"}
 
@@ -132,6 +143,29 @@ func benchSagaLocal(ctx context.Context, e *env) ([]result, error) {
 	}, nil
 }
 
+// benchSagaHot: the saga row's three-step saga with every reserve also updating one of five
+// stock rows (`UPDATE stock SET reserved = reserved + 1 WHERE sku = n % 5`): concurrent
+// transactions — batches of different partitions, or single messages of different
+// partitions — update the same rows in different orders, and PostgreSQL breaks their
+// deadlocks. Batched vs per-message, same run, each remote step with a 10 s timeout; no saga
+// is planned to compensate, so the compensated count is the steps that timed out or failed.
+func benchSagaHot(ctx context.Context, e *env) ([]result, error) {
+	per, err := runSagaBench(ctx, e, sagaShape{steps: threeRemote, hot: true})
+	if err != nil {
+		return nil, fmt.Errorf("per-message: %w", err)
+	}
+	bat, err := runSagaBench(ctx, e, sagaShape{batched: true, steps: threeRemote, hot: true})
+	if err != nil {
+		return nil, fmt.Errorf("batched: %w", err)
+	}
+	return []result{
+		{Scenario: "saga_hot", System: "per-message", Value: per.rate, Unit: "sagas/s", HigherIsBetter: true},
+		{Scenario: "saga_hot", System: "onceflow", Value: bat.rate, Unit: "sagas/s", HigherIsBetter: true, Target: "no timeouts; batched ≥ per-message"},
+		{Scenario: "saga_hot_compensated", System: "per-message", Value: float64(per.compensated), Unit: "sagas"},
+		{Scenario: "saga_hot_compensated", System: "onceflow", Value: float64(bat.compensated), Unit: "sagas", Target: "0 (none planned)"},
+	}, nil
+}
+
 func runSagaBench(ctx context.Context, e *env, shape sagaShape) (sagaFigures, error) {
 	var fig sagaFigures
 	batched := shape.batched
@@ -140,7 +174,9 @@ func runSagaBench(ctx context.Context, e *env, shape sagaShape) (sagaFigures, er
 		return fig, err
 	}
 	defer pool.Close()
-	if _, err := pool.Exec(ctx, `CREATE TABLE effect (saga text NOT NULL, step text NOT NULL, PRIMARY KEY (saga, step))`); err != nil {
+	if _, err := pool.Exec(ctx, `CREATE TABLE effect (saga text NOT NULL, step text NOT NULL, PRIMARY KEY (saga, step));
+		CREATE TABLE stock (sku int PRIMARY KEY, reserved int NOT NULL DEFAULT 0);
+		INSERT INTO stock (sku) SELECT generate_series(0, `+fmt.Sprint(hotSKUs-1)+`)`); err != nil {
 		return fig, err
 	}
 	// A cluster of its own with several partitions per topic, so each consumer group handles
@@ -174,6 +210,9 @@ func runSagaBench(ctx context.Context, e *env, shape sagaShape) (sagaFigures, er
 		if s != "confirm" && !shape.local[s] {
 			st.Compensate("bench.undo."+s, build)
 		}
+		if shape.hot && !shape.local[s] {
+			st.Timeout(10 * time.Second)
+		}
 		steps = append(steps, st)
 	}
 	def, err := saga.Define("bench", 1, steps)
@@ -202,10 +241,17 @@ func runSagaBench(ctx context.Context, e *env, shape sagaShape) (sagaFigures, er
 	var running <-chan struct{}
 	effect := func(step string) func(ctx context.Context, tx pgx.Tx, d sagaBenchData) (struct{}, error) {
 		return func(ctx context.Context, tx pgx.Tx, d sagaBenchData) (struct{}, error) {
+			if shape.hot && step == "reserve" {
+				sku := ((d.N % hotSKUs) + hotSKUs) % hotSKUs
+				if _, err := tx.Exec(ctx, `UPDATE stock SET reserved = reserved + 1 WHERE sku = $1`, sku); err != nil {
+					return struct{}{}, err
+				}
+			}
 			_, err := tx.Exec(ctx, `INSERT INTO effect (saga, step) VALUES ($1, $2)`, fmt.Sprint(d.N), step)
 			return struct{}{}, err
 		}
 	}
+	undo := func(context.Context, pgx.Tx, sagaBenchData) error { return nil }
 	if batched {
 		consume := func(group string, p inbox.BatchProcessor, topics ...string) error {
 			c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: brokers, Group: group, Topics: topics, Processor: p,
@@ -222,6 +268,11 @@ func runSagaBench(ctx context.Context, e *env, shape sagaShape) (sagaFigures, er
 			}
 			if err := consume("bench-"+s, saga.ActionProcessor(p, effect(s)), "bench."+s); err != nil {
 				return fig, err
+			}
+			if shape.hot && s != "confirm" { // a step that timed out is compensated
+				if err := consume("bench-undo-"+s, saga.CompensationProcessor(p, undo), "bench.undo."+s); err != nil {
+					return fig, err
+				}
 			}
 		}
 		if err := consume("bench-orchestrator", orch, def.ReplyTopic()); err != nil {
@@ -252,6 +303,13 @@ func runSagaBench(ctx context.Context, e *env, shape sagaShape) (sagaFigures, er
 				return fig, err
 			}
 			router.AddConsumerHandler(s, "bench."+s, sub, saga.Action(p, effect(s)))
+			if shape.hot && s != "confirm" { // a step that timed out is compensated
+				usub, err := subscriber("bench-undo-" + s)
+				if err != nil {
+					return fig, err
+				}
+				router.AddConsumerHandler("undo-"+s, "bench.undo."+s, usub, saga.Compensation(p, undo))
+			}
 		}
 		sub, err := subscriber("bench-orchestrator")
 		if err != nil {
@@ -372,13 +430,17 @@ func runSagaBench(ctx context.Context, e *env, shape sagaShape) (sagaFigures, er
 		slices.Sort(took)
 		return took[len(took)/2], took[len(took)*99/100], nil
 	}
+	fig.rate = rate
+	fig.compensated = metrics.compensated.Load()
+	if shape.hot {
+		return fig, stop()
+	}
 	if fig.p50, fig.p99, err = latency(sagaLatencyRate, sagaLatencySagas, 100000); err != nil {
 		return fig, errors.Join(err, stop())
 	}
 	if fig.slowP50, fig.slowP99, err = latency(sagaSlowRate, sagaSlowSagas, 200000); err != nil {
 		return fig, errors.Join(err, stop())
 	}
-	fig.rate = rate
 	if err := stop(); err != nil && !errors.Is(err, context.Canceled) {
 		return fig, err
 	}

@@ -178,9 +178,13 @@ func summaryOf(in *instance) Summary {
 // request applies to.
 var ErrWrongState = errors.New("saga: the request does not apply to the saga's state")
 
-// RetryTx asks the orchestrator to resume a stuck saga: it re-sends the compensation that ran
-// out of attempts, with a fresh attempt budget. Fix the cause first (the error is in Get's
-// Error and the step's LastError).
+// RetryTx asks the orchestrator to resume a stuck saga the way it was going, with a fresh
+// attempt budget: a saga stuck while compensating (its compensation ran out of attempts) gets
+// that compensation re-sent; a saga stuck moving forward (a reply that could not be applied,
+// a timer that failed) gets its current step's command re-sent as a new attempt — a
+// participant answers a later attempt of an action that already took effect with the result
+// it kept, without running it again. Get's Wait.Phase says which. Fix the cause first (the
+// error is in Get's Error and the step's LastError).
 func (a *Admin) RetryTx(ctx context.Context, tx pgx.Tx, id string) error {
 	return a.request(ctx, tx, id, actRetry, func(in *instance) error {
 		if in.State != StateStuck {

@@ -42,7 +42,9 @@ type Wait struct {
 	// or an operator, never for a relay or a reply.
 	Local bool
 	// Step, Phase and Attempt name the command waited on: the one sent last (for WaitResend,
-	// the attempt that failed; the re-send will be Attempt+1). Attempt counts every command
+	// the attempt that failed; the re-send will be Attempt+1). For WaitOperator, Phase is the
+	// way the saga was going when it stopped — action: forward, compensation: undoing — which
+	// is what `onceflow saga retry` re-sends, as attempt Attempt+1. Attempt counts every command
 	// of the step's phase, as the command's metadata and the COMMANDS list do.
 	Step    string
 	Phase   outbox.SagaPhase
@@ -71,6 +73,9 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer) (
 	}
 	rec := in.Steps[in.Step]
 	w := &Wait{Step: rec.Name, Phase: in.phase(), Attempt: in.Attempt, LastError: rec.LastError}
+	if in.State == StateStuck {
+		w.Phase = in.stuckPhase() // what it was doing, and what `saga retry` re-sends
+	}
 	w.Local = (w.Phase == outbox.SagaPhaseAction && rec.Local) || (w.Phase == outbox.SagaPhaseCompensation && rec.LocalCompensation)
 	for i := len(rec.Sent) - 1; i >= 0; i-- {
 		if c := rec.Sent[i]; c.Phase == w.Phase && c.Attempt == in.Attempt {

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/saga"
 )
 
@@ -20,7 +21,7 @@ const sagaSynopsis = `saga list|show|retry|compensate [flags]
 
   list        sagas, newest first (--state running|compensating|completed|compensated|stuck, --name N)
   show ID     one saga: state, error, data, every step with its attempts, errors and the commands sent, timers
-  retry ID    resume a stuck saga: its compensation is sent again with a fresh attempt budget
+  retry ID    resume a stuck saga the way it was going: its action (forward) or compensation is re-sent
   compensate ID  stop a running saga and compensate the steps that took effect
 
 retry and compensate are carried out by a running orchestrator (within its timer interval),
@@ -225,14 +226,22 @@ func waitText(d *saga.Detail) string {
 				return s + fmt.Sprintf("; a %s request is filed, due %s: a running orchestrator carries it out", t.Action, fmtTime(t.Due))
 			}
 		}
-		return s + fmt.Sprintf("; fix the cause, then `onceflow saga retry %s`", d.ID)
+		return s + fmt.Sprintf("; fix the cause, then `onceflow saga retry %s` (%s)", d.ID, retryWhat(w))
 	}
 	return w.For
 }
 
+// retryWhat says what `saga retry` does for a stuck saga that waits as w says.
+func retryWhat(w *saga.Wait) string {
+	if w.Phase == outbox.SagaPhaseCompensation {
+		return fmt.Sprintf("re-sends the compensation of step %s as attempt %d: the saga goes on compensating", w.Step, w.Attempt+1)
+	}
+	return fmt.Sprintf("re-sends the action of step %s as attempt %d: the saga goes on forward; an action that already took effect is answered with its kept result, not run again", w.Step, w.Attempt+1)
+}
+
 func (c *cli) sagaRequest(ctx context.Context, action string, args []string) error {
 	what := map[string]string{
-		"retry":      "Resumes a stuck saga: an orchestrator re-sends its compensation with a fresh attempt budget.",
+		"retry":      "Resumes a stuck saga the way it was going, with a fresh attempt budget: an orchestrator re-sends the current step's action (stuck moving forward) or its compensation (stuck compensating); `saga show` says which.",
 		"compensate": "Stops a running saga: an orchestrator compensates the steps that took effect.",
 	}[action]
 	fs := c.newFlagSet("saga "+action, "saga "+action+" [flags] ID\n\n"+what)
@@ -255,7 +264,13 @@ func (c *cli) sagaRequest(ctx context.Context, action string, args []string) err
 	if err != nil {
 		return err
 	}
-	_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out (watch it with: onceflow saga show %s)\n", action, id, id)
+	what = ""
+	if action == "retry" {
+		if d, err := admin.Get(ctx, pool, id); err == nil && d.Wait != nil {
+			what = " (it " + retryWhat(d.Wait) + ")"
+		}
+	}
+	_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s%s; a running orchestrator carries it out (watch it with: onceflow saga show %s)\n", action, id, what, id)
 	return err
 }
 

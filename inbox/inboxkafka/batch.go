@@ -130,6 +130,11 @@ type worker struct {
 	wake   chan struct{} // 1-buffered: records were queued
 	cancel context.CancelFunc
 	done   chan struct{}
+	// limit is the partition's batch size now (1..MaxBatch), owned by the worker goroutine:
+	// halved when a batch conflicts with concurrent transactions, grown by an eighth (at
+	// least one) after each batch that does not, so a partition whose messages touch hot rows
+	// settles on batches small enough to rarely deadlock, and a quiet one stays at MaxBatch.
+	limit int
 }
 
 // NewBatchConsumer validates cfg, reporting every problem at once, and connects the client
@@ -324,7 +329,7 @@ func (c *BatchConsumer) assign(assigned map[string][]int32) {
 				continue
 			}
 			ctx, cancel := context.WithCancel(parent)
-			w := &worker{p: p, wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{})}
+			w := &worker{p: p, wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{}), limit: c.cfg.MaxBatch}
 			c.workers[p] = w
 			go c.work(ctx, w)
 		}
@@ -405,7 +410,7 @@ func (c *BatchConsumer) work(ctx context.Context, w *worker) {
 				continue
 			}
 		}
-		if !c.settle(ctx, recs) {
+		if !c.settle(ctx, w, recs) {
 			return // ctx ended: the rest is redelivered to the partition's next owner
 		}
 	}
@@ -413,14 +418,14 @@ func (c *BatchConsumer) work(ctx context.Context, w *worker) {
 
 // settle applies one partition's records in order, in batches of at most MaxBatch, and marks
 // each batch's offsets once it is settled. It stops early only when ctx ends (false).
-func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) bool {
+func (c *BatchConsumer) settle(ctx context.Context, w *worker, recs []*kgo.Record) bool {
 	msgs := make([]*message.Message, len(recs))
 	for i, r := range recs {
 		msgs[i] = kafkarecord.Decode(ctx, r)
 	}
 	for done := 0; done < len(recs); {
-		n := min(c.cfg.MaxBatch, len(recs)-done)
-		k, failed := c.apply(ctx, recs[done:done+n], msgs[done:done+n])
+		n := min(w.limit, len(recs)-done)
+		k, failed := c.apply(ctx, w, recs[done:done+n], msgs[done:done+n])
 		if k > 0 {
 			c.cl.MarkCommitRecords(recs[done+k-1])
 			done += k
@@ -442,10 +447,13 @@ func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) bool {
 // apply settles a prefix of msgs and returns its length: 0 only when ctx ended, or when the
 // first message failed. failed, when set, is the error of the message right after the prefix,
 // whose handler failed in this batch: the caller goes on with it alone.
-func (c *BatchConsumer) apply(ctx context.Context, recs []*kgo.Record, msgs []*message.Message) (n int, failed error) {
+func (c *BatchConsumer) apply(ctx context.Context, w *worker, recs []*kgo.Record, msgs []*message.Message) (n int, failed error) {
 	for failures := 0; ; failures++ {
 		err := c.proc.ProcessBatch(ctx, msgs)
 		if err == nil {
+			if failures == 0 {
+				w.limit = min(c.cfg.MaxBatch, w.limit+max(1, w.limit/8))
+			}
 			return len(msgs), nil
 		}
 		var me *inbox.MessageError
@@ -458,13 +466,13 @@ func (c *BatchConsumer) apply(ctx context.Context, recs []*kgo.Record, msgs []*m
 			if me.Index == 0 {
 				return 0, me.Err
 			}
-			if k, f := c.apply(ctx, recs[:me.Index], msgs[:me.Index]); k < me.Index || f != nil {
+			if k, f := c.apply(ctx, w, recs[:me.Index], msgs[:me.Index]); k < me.Index || f != nil {
 				return k, f // a prefix failed on its own (not deterministic) or ctx ended
 			}
 			return me.Index, me.Err
 		case errors.As(err, &me):
 			// A set-based handler did not say which message failed: halve until it is alone.
-			return c.apply(ctx, recs[:len(msgs)/2], msgs[:len(msgs)/2])
+			return c.apply(ctx, w, recs[:len(msgs)/2], msgs[:len(msgs)/2])
 		}
 		if ctx.Err() != nil {
 			return 0, nil
@@ -472,11 +480,15 @@ func (c *BatchConsumer) apply(ctx context.Context, recs []*kgo.Record, msgs []*m
 		// The batch as a whole was refused: it counts no attempt against its messages. A
 		// deadlock or serialization failure is retried at once; when it repeats, the rows the
 		// batch touches are hot (other partitions update them too), and a smaller batch holds
-		// fewer of their locks for less time: halve it, down to one message.
-		if failure.Contention(err) && failures > 0 && len(msgs) > 1 {
-			c.log.Warn("inboxkafka: a batch keeps conflicting with concurrent transactions; applying it in halves",
-				"batch", len(msgs), "source", source(recs[0]), "err", err)
-			return c.apply(ctx, recs[:len(msgs)/2], msgs[:len(msgs)/2])
+		// fewer of their locks for less time: halve it, down to one message. The partition's
+		// next batches start from the smaller size too (worker.limit).
+		if failure.Contention(err) {
+			w.limit = max(1, min(w.limit, len(msgs)/2))
+			if failures > 0 && len(msgs) > 1 {
+				c.log.Warn("inboxkafka: a batch keeps conflicting with concurrent transactions; applying it in halves",
+					"batch", len(msgs), "source", source(recs[0]), "err", err)
+				return c.apply(ctx, w, recs[:len(msgs)/2], msgs[:len(msgs)/2])
+			}
 		}
 		if !c.policy().Refused(ctx, failures, len(msgs), source(recs[0]), err) {
 			return 0, nil
