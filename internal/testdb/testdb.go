@@ -109,7 +109,11 @@ func NewServer(t testing.TB) (*embedded.Postgres, *DB) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	srv, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{})
+	// Durable: a halt is a crash of the server process, and with synchronous_commit off it
+	// loses the commits of the last few hundred milliseconds that it had already
+	// acknowledged (they were still in its WAL buffers), which a test of restarts would
+	// mistake for lost effects.
+	srv, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{Durable: true})
 	if err != nil {
 		t.Fatalf("testdb: start a PostgreSQL of the test's own: %v", err)
 	}
