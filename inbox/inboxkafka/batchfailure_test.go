@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
-	"net"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,7 +15,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -296,75 +293,6 @@ func TestBatchConsumerStartedWhilePostgresIsDownWaitsForIt(t *testing.T) {
 	}
 }
 
-// proxy forwards TCP connections to PostgreSQL and can cut them all mid-statement, as a
-// network failure or a crashed server does: the client sees its connection drop without an
-// error from the server.
-type proxy struct {
-	port  uint16
-	mu    sync.Mutex
-	conns []net.Conn
-}
-
-func newProxy(t *testing.T, target string) *proxy {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &proxy{port: uint16(l.Addr().(*net.TCPAddr).Port)}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { _ = l.Close(); p.cut(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			in, err := l.Accept()
-			if err != nil {
-				return
-			}
-			out, err := net.Dial("tcp", target)
-			if err != nil {
-				_ = in.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, in, out)
-			p.mu.Unlock()
-			wg.Add(2)
-			go func() { defer wg.Done(); _, _ = io.Copy(out, in); _ = out.Close() }()
-			go func() { defer wg.Done(); _, _ = io.Copy(in, out); _ = in.Close() }()
-		}
-	}()
-	return p
-}
-
-func (p *proxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.conns {
-		_ = c.Close()
-	}
-	p.conns = nil
-}
-
-// waitSleeping waits until backend pid runs pg_sleep.
-func waitSleeping(ctx context.Context, pool *pgxpool.Pool, pid uint32) error {
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		var n int
-		err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1 AND state = 'active' AND query LIKE 'SELECT pg_sleep%'`,
-			int64(pid)).Scan(&n)
-		if err != nil {
-			return err
-		}
-		if n > 0 {
-			return nil
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return errors.New("the statement did not start within 30 s")
-}
-
 // Issue 23: "a connection lost mid-statement counts as the message's attempt (docs/inbox.md
 // promises an outage poisons nothing)". With MaxAttempts = 1, the handler's first run loses
 // its backend connection in the middle of a statement (the network path is cut): that is the
@@ -375,19 +303,8 @@ func TestBatchConsumerLostConnectionPoisonsNothing(t *testing.T) {
 	f := newBatchFixture(t, 1)
 	// The consumer's inbox reaches PostgreSQL through a proxy the test can cut; the test's own
 	// pool (f.db.Pool) connects directly.
-	cfg, err := pgxpool.ParseConfig(f.db.URL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	px := newProxy(t, net.JoinHostPort(cfg.ConnConfig.Host, strconv.Itoa(int(cfg.ConnConfig.Port))))
-	cfg.ConnConfig.Host, cfg.ConnConfig.Port = "127.0.0.1", px.port
-	cfg.MaxConns = 4
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	ib, err := inbox.New(inbox.Config{Pool: pool, Schema: f.db.Schema, Consumer: "batch"})
+	px := testdb.NewProxy(t, f.db)
+	ib, err := inbox.New(inbox.Config{Pool: px.Pool(t, f.db, 4), Schema: f.db.Schema, Consumer: "batch"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -404,21 +321,13 @@ func TestBatchConsumerLostConnectionPoisonsNothing(t *testing.T) {
 		if msg.UUID != target || runs.Add(1) > 1 {
 			return nil
 		}
-		// First run of the target: cut its connection while it sleeps in a statement.
+		// First run of the target: its connection is cut while it sleeps in a statement.
 		tx := outbox.MustTx(msg.Context())
 		pid := tx.Conn().PgConn().PID()
 		cutter.Add(1)
 		go func() {
 			defer cutter.Done()
-			err := waitSleeping(context.Background(), f.db.Pool, pid)
-			px.cut()
-			// The client saw its connection drop. The server notices only when it next
-			// writes to it (after the sleep), and until then its transaction holds the
-			// batch's dedup keys: end it, as a TCP keepalive would, later.
-			if err == nil {
-				_, err = f.db.Pool.Exec(context.Background(), `SELECT pg_terminate_backend($1)`, int64(pid))
-			}
-			cutErr <- err
+			cutErr <- px.CutWhileSleeping(context.Background(), f.db, pid)
 		}()
 		_, err := tx.Exec(msg.Context(), `SELECT pg_sleep(60)`)
 		if err == nil {
@@ -427,16 +336,21 @@ func TestBatchConsumerLostConnectionPoisonsNothing(t *testing.T) {
 		return err
 	})
 	f.start(kafkatest.Topic("g"), p, func(c *inboxkafka.BatchConfig) { c.MaxAttempts = 1 })
-	f.waitEffects(len(msgs))
+	waitFor(t, "every message applied, or one given up", func() bool {
+		return f.poisonCount() > 0 || f.count(`SELECT count(DISTINCT msg_uuid) FROM `+f.db.Table("effect")) == len(msgs)
+	})
 	if err := <-cutErr; err != nil {
 		t.Fatal(err)
 	}
-	f.checkOnceInOrder(msgs)
 	if n := f.poisonCount(); n != 0 {
 		var reason string
 		_ = f.db.Pool.QueryRow(context.Background(), `SELECT error FROM `+f.db.Table("inbox_poison")).Scan(&reason)
 		t.Fatalf("%d messages poisoned by a lost connection (MaxAttempts = 1): %s", n, reason)
 	}
+	if n := runs.Load(); n < 2 {
+		t.Fatalf("the message whose connection was lost ran %d times, want a retry", n)
+	}
+	f.checkOnceInOrder(msgs)
 	if n := f.count(`SELECT count(*) FROM `+f.db.Table("processed_event")+` WHERE dedup_key = $1`, "event:"+target); n != 1 {
 		t.Fatalf("%d dedup rows for the message whose connection was lost, want 1", n)
 	}
