@@ -159,12 +159,14 @@ func TestBatchConsumerBackoffHoldsNoWorkerSlot(t *testing.T) {
 		}
 		return nil, f.effect(msg)
 	})}
-	// Attempts 2 and 3 come 2 s and 4 s after the one before: each failing message is given
-	// up about 6 s after its first attempt, and waits for its retries meanwhile.
+	// Attempts 2 and 3 come 3 s and 6 s after the one before: each failing message is given
+	// up about 9 s after its first attempt and waits for its retries meanwhile, time enough
+	// for 40 healthy messages even on a loaded machine. The assertion is on the order of
+	// events, not on how long anything took.
 	f.start(kafkatest.Topic("g"), p, func(c *inboxkafka.BatchConfig) {
 		c.Workers = 2
 		c.MaxAttempts = 3
-		c.Backoff, c.MaxBackoff = 2*time.Second, 4*time.Second
+		c.Backoff, c.MaxBackoff = 3*time.Second, 6*time.Second
 	})
 	for range 2 {
 		select {
