@@ -25,6 +25,11 @@ type PostgresOptions struct {
 	// Durable keeps fsync and synchronous_commit on, as a production server would run.
 	// Default false: tests trade durability for speed because the cluster is thrown away.
 	Durable bool
+	// CrashSafe keeps synchronous_commit on (fsync may stay off): a commit is acknowledged
+	// only once its WAL was handed to the operating system, so a crash of the server process
+	// (Halt, Restart) loses no acknowledged commit; only a crash of the host would. For tests
+	// that halt or restart the server. Implied by Durable.
+	CrashSafe bool
 	// MaxConnections is the server's max_connections. Default 300, enough for parallel tests.
 	MaxConnections int
 	// Logf receives progress lines; nil discards them.
@@ -109,7 +114,11 @@ func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error)
 		"log_min_messages = warning",
 		"logging_collector = off",
 	}
-	if !opts.Durable {
+	switch {
+	case opts.Durable:
+	case opts.CrashSafe:
+		conf = append(conf, "fsync = off", "full_page_writes = off")
+	default:
 		conf = append(conf, "fsync = off", "synchronous_commit = off", "full_page_writes = off")
 	}
 	if err := appendConf(data, conf...); err != nil {
@@ -171,7 +180,8 @@ func (p *Postgres) Stop() error {
 
 // Halt stops the server at once, as a crash or an operator's `pg_ctl stop -m immediate` would
 // (clients lose their connections mid-statement), and keeps its data: Resume starts it again
-// on the same port. For tests of outages.
+// on the same port. For tests of outages. Start such a cluster CrashSafe (testdb.NewServer
+// does): with synchronous_commit off, a halt loses the last commits it acknowledged.
 func (p *Postgres) Halt(ctx context.Context) error {
 	pgctl, err := findPGBinary("pg_ctl")
 	if err != nil {

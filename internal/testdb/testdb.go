@@ -59,7 +59,7 @@ func URL(t testing.TB) string {
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
-		server, initErr = embedded.StartPostgres(ctx, embedded.PostgresOptions{})
+		server, initErr = embedded.StartPostgres(ctx, embedded.PostgresOptions{CrashSafe: true})
 		if initErr == nil {
 			baseURL = server.URL()
 		}
@@ -109,11 +109,11 @@ func NewServer(t testing.TB) (*embedded.Postgres, *DB) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	// Durable: a halt is a crash of the server process, and with synchronous_commit off it
+	// CrashSafe: a halt is a crash of the server process, and with synchronous_commit off it
 	// loses the commits of the last few hundred milliseconds that it had already
 	// acknowledged (they were still in its WAL buffers), which a test of restarts would
 	// mistake for lost effects.
-	srv, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{Durable: true})
+	srv, err := embedded.StartPostgres(ctx, embedded.PostgresOptions{CrashSafe: true})
 	if err != nil {
 		t.Fatalf("testdb: start a PostgreSQL of the test's own: %v", err)
 	}
