@@ -17,6 +17,7 @@ import (
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/failure"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/outbox"
@@ -344,10 +345,8 @@ func (o *Orchestrator) Run(ctx context.Context) error {
 			failures++
 			if failures == 1 {
 				since = time.Now()
-				backoff = o.cfg.TimerInterval
-			} else {
-				backoff = min(2*backoff, max(runBackoffCap, o.cfg.TimerInterval))
 			}
+			backoff = failure.Backoff(o.cfg.TimerInterval, max(runBackoffCap, o.cfg.TimerInterval), failures)
 			wait = backoff
 			o.cfg.Logger.Error("saga: firing due timers failed; backing off before the next round",
 				"err", err, "retry_in", backoff, "failures", failures)

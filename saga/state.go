@@ -8,6 +8,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/onceflow/onceflow/internal/failure"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -557,7 +558,7 @@ func (m *machine) resendLater(idx int, reason string) error {
 		backoff = m.def.compensationBackoff()
 	}
 	m.fx.setStep = &timer{Kind: timerStep, Step: idx, Phase: in.phase(), Attempt: in.Attempt, Action: actResend,
-		Due: m.now.Add(backoffFor(backoff, in.Attempt-in.Budget))}
+		Due: m.now.Add(failure.Backoff(backoff, MaxBackoff, in.Attempt-in.Budget))}
 	return nil
 }
 
@@ -648,13 +649,4 @@ func (m *machine) runLocal(idx int, phase outbox.SagaPhase, attempt int) error {
 func (m *machine) stamp() *time.Time {
 	t := m.now
 	return &t
-}
-
-// backoffFor is the wait before re-send number n (n >= 1): base, 2×base, 4×base, ... capped.
-func backoffFor(base time.Duration, n int) time.Duration {
-	d := base
-	for i := 1; i < n && d < MaxBackoff; i++ {
-		d *= 2
-	}
-	return min(d, MaxBackoff)
 }

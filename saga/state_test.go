@@ -83,22 +83,6 @@ func TestMachineLateSuccessOfEarlierAttempt(t *testing.T) {
 	}
 }
 
-func TestBackoff(t *testing.T) {
-	t.Parallel()
-	for _, c := range []struct {
-		base time.Duration
-		n    int
-		want time.Duration
-	}{
-		{time.Second, 1, time.Second}, {time.Second, 2, 2 * time.Second}, {time.Second, 4, 8 * time.Second},
-		{time.Minute, 10, MaxBackoff}, {0, 3, 0},
-	} {
-		if got := backoffFor(c.base, c.n); got != c.want {
-			t.Errorf("backoffFor(%s, %d) = %s, want %s", c.base, c.n, got, c.want)
-		}
-	}
-}
-
 // The pure machine asks for local runs and takes their outcomes: a done remote step leads to
 // two local runs in the same transition and then the last remote command; saga.Fail in a local
 // step compensates the local step before it (another run) and then the remote one (a command);

@@ -130,12 +130,25 @@ type worker struct {
 	wake   chan struct{} // 1-buffered: records were queued
 	cancel context.CancelFunc
 	done   chan struct{}
-	// limit is the partition's batch size now (1..MaxBatch), owned by the worker goroutine:
-	// halved when a batch conflicts with concurrent transactions, grown by an eighth (at
-	// least one) after each batch that does not, so a partition whose messages touch hot rows
-	// settles on batches small enough to rarely deadlock, and a quiet one stays at MaxBatch.
+	// limit is the partition's batch size now (1..MaxBatch), owned by the worker goroutine.
+	// A batch that conflicts with concurrent transactions (hot rows) drops it to one message;
+	// it doubles again after each calmFor without a conflict. Each deadlock costs
+	// PostgreSQL's deadlock_timeout (1 s) to detect, so a partition whose messages touch hot
+	// rows runs small batches — one deadlock-free message per transaction at worst — and a
+	// quiet one stays at MaxBatch.
 	limit int
+	calm  time.Time // since when the limit has not changed for a conflict or grown
+	// calmFor is how long the batches must run without a conflict before limit doubles: from
+	// minCalm (PostgreSQL's default deadlock_timeout, the cost of one deadlock), doubled by
+	// each conflict up to maxCalm, so a partition whose rows stay hot stops probing larger
+	// batches; back to minCalm once limit is MaxBatch again.
+	calmFor time.Duration
 }
+
+const (
+	minCalm = time.Second
+	maxCalm = 30 * time.Second
+)
 
 // NewBatchConsumer validates cfg, reporting every problem at once, and connects the client
 // (it joins the group when Run starts polling).
@@ -329,7 +342,8 @@ func (c *BatchConsumer) assign(assigned map[string][]int32) {
 				continue
 			}
 			ctx, cancel := context.WithCancel(parent)
-			w := &worker{p: p, wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{}), limit: c.cfg.MaxBatch}
+			w := &worker{p: p, wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{}), limit: c.cfg.MaxBatch,
+				calmFor: minCalm / 2} // the first conflict makes it minCalm
 			c.workers[p] = w
 			go c.work(ctx, w)
 		}
@@ -451,8 +465,11 @@ func (c *BatchConsumer) apply(ctx context.Context, w *worker, recs []*kgo.Record
 	for failures := 0; ; failures++ {
 		err := c.proc.ProcessBatch(ctx, msgs)
 		if err == nil {
-			if failures == 0 {
-				w.limit = min(c.cfg.MaxBatch, w.limit+max(1, w.limit/8))
+			if w.limit < c.cfg.MaxBatch && time.Since(w.calm) >= w.calmFor {
+				w.limit, w.calm = min(c.cfg.MaxBatch, 2*w.limit), time.Now()
+				if w.limit == c.cfg.MaxBatch {
+					w.calmFor = minCalm
+				}
 			}
 			return len(msgs), nil
 		}
@@ -478,16 +495,16 @@ func (c *BatchConsumer) apply(ctx context.Context, w *worker, recs []*kgo.Record
 			return 0, nil
 		}
 		// The batch as a whole was refused: it counts no attempt against its messages. A
-		// deadlock or serialization failure is retried at once; when it repeats, the rows the
-		// batch touches are hot (other partitions update them too), and a smaller batch holds
-		// fewer of their locks for less time: halve it, down to one message. The partition's
-		// next batches start from the smaller size too (worker.limit).
+		// deadlock or serialization failure is retried at once; the rows the batch touches are
+		// hot (other partitions update them too), so the partition's next batches are of one
+		// message (worker.limit), which holds one message's locks for the shortest time, and
+		// grow again once calm. When the retry conflicts too, it goes on with one message.
 		if failure.Contention(err) {
-			w.limit = max(1, min(w.limit, len(msgs)/2))
+			w.limit, w.calm, w.calmFor = 1, time.Now(), min(maxCalm, 2*w.calmFor)
 			if failures > 0 && len(msgs) > 1 {
-				c.log.Warn("inboxkafka: a batch keeps conflicting with concurrent transactions; applying it in halves",
+				c.log.Warn("inboxkafka: a batch keeps conflicting with concurrent transactions (hot rows); its partition goes on with smaller batches",
 					"batch", len(msgs), "source", source(recs[0]), "err", err)
-				return c.apply(ctx, w, recs[:len(msgs)/2], msgs[:len(msgs)/2])
+				return c.apply(ctx, w, recs[:1], msgs[:1])
 			}
 		}
 		if !c.policy().Refused(ctx, failures, len(msgs), source(recs[0]), err) {

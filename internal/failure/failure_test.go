@@ -197,7 +197,7 @@ func TestBackoff(t *testing.T) {
 	for _, c := range []struct {
 		n    int
 		want time.Duration
-	}{{1, 100 * time.Millisecond}, {2, 200 * time.Millisecond}, {3, 400 * time.Millisecond}, {7, time.Second}, {1000, time.Second}} {
+	}{{1, 100 * time.Millisecond}, {2, 200 * time.Millisecond}, {3, 400 * time.Millisecond}, {7, time.Second}, {1000, time.Second}, {0, 100 * time.Millisecond}} {
 		if got := failure.Backoff(100*time.Millisecond, time.Second, c.n); got != c.want {
 			t.Errorf("Backoff(100ms, 1s, %d) = %s, want %s", c.n, got, c.want)
 		}
