@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -107,6 +108,10 @@ type BatchConsumer struct {
 	log   *slog.Logger
 	slots chan struct{} // Workers: transactions applied at once
 	proc  slotted       // cfg.Processor, each call holding a slot
+	// hot serialises the consumer's transactions for hotFor after a conflict between two of
+	// them (hotUntil, unix nanoseconds): see slotted.
+	hot      sync.Mutex
+	hotUntil atomic.Int64
 
 	mu      sync.Mutex
 	runCtx  context.Context // Run's; workers started by assignments derive from it
@@ -130,25 +135,7 @@ type worker struct {
 	wake   chan struct{} // 1-buffered: records were queued
 	cancel context.CancelFunc
 	done   chan struct{}
-	// limit is the partition's batch size now (1..MaxBatch), owned by the worker goroutine.
-	// A batch that conflicts with concurrent transactions (hot rows) drops it to one message;
-	// it doubles again after each calmFor without a conflict. Each deadlock costs
-	// PostgreSQL's deadlock_timeout (1 s) to detect, so a partition whose messages touch hot
-	// rows runs small batches — one deadlock-free message per transaction at worst — and a
-	// quiet one stays at MaxBatch.
-	limit int
-	calm  time.Time // since when the limit has not changed for a conflict or grown
-	// calmFor is how long the batches must run without a conflict before limit doubles: from
-	// minCalm (PostgreSQL's default deadlock_timeout, the cost of one deadlock), doubled by
-	// each conflict up to maxCalm, so a partition whose rows stay hot stops probing larger
-	// batches; back to minCalm once limit is MaxBatch again.
-	calmFor time.Duration
 }
-
-const (
-	minCalm = time.Second
-	maxCalm = 30 * time.Second
-)
 
 // NewBatchConsumer validates cfg, reporting every problem at once, and connects the client
 // (it joins the group when Run starts polling).
@@ -342,8 +329,7 @@ func (c *BatchConsumer) assign(assigned map[string][]int32) {
 				continue
 			}
 			ctx, cancel := context.WithCancel(parent)
-			w := &worker{p: p, wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{}), limit: c.cfg.MaxBatch,
-				calmFor: minCalm / 2} // the first conflict makes it minCalm
+			w := &worker{p: p, wake: make(chan struct{}, 1), cancel: cancel, done: make(chan struct{})}
 			c.workers[p] = w
 			go c.work(ctx, w)
 		}
@@ -424,7 +410,7 @@ func (c *BatchConsumer) work(ctx context.Context, w *worker) {
 				continue
 			}
 		}
-		if !c.settle(ctx, w, recs) {
+		if !c.settle(ctx, recs) {
 			return // ctx ended: the rest is redelivered to the partition's next owner
 		}
 	}
@@ -432,14 +418,14 @@ func (c *BatchConsumer) work(ctx context.Context, w *worker) {
 
 // settle applies one partition's records in order, in batches of at most MaxBatch, and marks
 // each batch's offsets once it is settled. It stops early only when ctx ends (false).
-func (c *BatchConsumer) settle(ctx context.Context, w *worker, recs []*kgo.Record) bool {
+func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) bool {
 	msgs := make([]*message.Message, len(recs))
 	for i, r := range recs {
 		msgs[i] = kafkarecord.Decode(ctx, r)
 	}
 	for done := 0; done < len(recs); {
-		n := min(w.limit, len(recs)-done)
-		k, failed := c.apply(ctx, w, recs[done:done+n], msgs[done:done+n])
+		n := min(c.cfg.MaxBatch, len(recs)-done)
+		k, failed := c.apply(ctx, recs[done:done+n], msgs[done:done+n])
 		if k > 0 {
 			c.cl.MarkCommitRecords(recs[done+k-1])
 			done += k
@@ -461,16 +447,10 @@ func (c *BatchConsumer) settle(ctx context.Context, w *worker, recs []*kgo.Recor
 // apply settles a prefix of msgs and returns its length: 0 only when ctx ended, or when the
 // first message failed. failed, when set, is the error of the message right after the prefix,
 // whose handler failed in this batch: the caller goes on with it alone.
-func (c *BatchConsumer) apply(ctx context.Context, w *worker, recs []*kgo.Record, msgs []*message.Message) (n int, failed error) {
+func (c *BatchConsumer) apply(ctx context.Context, recs []*kgo.Record, msgs []*message.Message) (n int, failed error) {
 	for failures := 0; ; failures++ {
 		err := c.proc.ProcessBatch(ctx, msgs)
 		if err == nil {
-			if w.limit < c.cfg.MaxBatch && time.Since(w.calm) >= w.calmFor {
-				w.limit, w.calm = min(c.cfg.MaxBatch, 2*w.limit), time.Now()
-				if w.limit == c.cfg.MaxBatch {
-					w.calmFor = minCalm
-				}
-			}
 			return len(msgs), nil
 		}
 		var me *inbox.MessageError
@@ -483,29 +463,28 @@ func (c *BatchConsumer) apply(ctx context.Context, w *worker, recs []*kgo.Record
 			if me.Index == 0 {
 				return 0, me.Err
 			}
-			if k, f := c.apply(ctx, w, recs[:me.Index], msgs[:me.Index]); k < me.Index || f != nil {
+			if k, f := c.apply(ctx, recs[:me.Index], msgs[:me.Index]); k < me.Index || f != nil {
 				return k, f // a prefix failed on its own (not deterministic) or ctx ended
 			}
 			return me.Index, me.Err
 		case errors.As(err, &me):
 			// A set-based handler did not say which message failed: halve until it is alone.
-			return c.apply(ctx, w, recs[:len(msgs)/2], msgs[:len(msgs)/2])
+			return c.apply(ctx, recs[:len(msgs)/2], msgs[:len(msgs)/2])
 		}
 		if ctx.Err() != nil {
 			return 0, nil
 		}
 		// The batch as a whole was refused: it counts no attempt against its messages. A
-		// deadlock or serialization failure is retried at once; the rows the batch touches are
-		// hot (other partitions update them too), so the partition's next batches are of one
-		// message (worker.limit), which holds one message's locks for the shortest time, and
-		// grow again once calm. When the retry conflicts too, it goes on with one message.
-		if failure.Contention(err) {
-			w.limit, w.calm, w.calmFor = 1, time.Now(), min(maxCalm, 2*w.calmFor)
-			if failures > 0 && len(msgs) > 1 {
-				c.log.Warn("inboxkafka: a batch keeps conflicting with concurrent transactions (hot rows); its partition goes on with smaller batches",
-					"batch", len(msgs), "source", source(recs[0]), "err", err)
-				return c.apply(ctx, w, recs[:1], msgs[:1])
-			}
+		// deadlock or serialization failure is retried at once; when it repeats, the rows the
+		// batch touches are hot (other partitions update them too), and a smaller batch holds
+		// fewer of their locks for less time: halve it, down to one message. (The partition's
+		// next batches are full again: measured on the hot-rows test and the saga_hot row,
+		// remembering a smaller size cost more in per-transaction overhead than the deadlocks
+		// it avoided.)
+		if failure.Contention(err) && failures > 0 && len(msgs) > 1 {
+			c.log.Warn("inboxkafka: a batch keeps conflicting with concurrent transactions (hot rows); applying it in halves",
+				"batch", len(msgs), "source", source(recs[0]), "err", err)
+			return c.apply(ctx, recs[:len(msgs)/2], msgs[:len(msgs)/2])
 		}
 		if !c.policy().Refused(ctx, failures, len(msgs), source(recs[0]), err) {
 			return 0, nil
@@ -533,13 +512,30 @@ func (c *BatchConsumer) policy() inbox.RetryPolicy {
 // partitions whose messages back off never hold up healthy ones.
 type slotted struct{ c *BatchConsumer }
 
+// After a conflict between concurrent transactions (a deadlock, a serialization failure, a
+// lock timeout: hot rows that the partitions' messages share), the consumer's transactions
+// run one at a time for hotFor: a batch of hot rows is cheap, a deadlock between two costs
+// PostgreSQL's deadlock_timeout (1 s) and a retry, so taking turns is faster than racing.
+// Each new conflict extends the period; without one, the partitions run in parallel again.
 func (s slotted) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
 	if !s.c.acquire(ctx) {
 		return ctx.Err()
 	}
 	defer s.c.release()
-	return s.c.cfg.Processor.ProcessBatch(ctx, msgs)
+	if time.Now().UnixNano() < s.c.hotUntil.Load() {
+		s.c.hot.Lock()
+		defer s.c.hot.Unlock()
+	}
+	err := s.c.cfg.Processor.ProcessBatch(ctx, msgs)
+	if failure.Contention(err) {
+		s.c.hotUntil.Store(time.Now().Add(hotFor).UnixNano())
+	}
+	return err
 }
+
+// hotFor is how long the consumer's transactions take turns after a conflict between two of
+// them.
+const hotFor = 10 * time.Second
 
 func (s slotted) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
 	if !s.c.acquire(ctx) {
