@@ -161,7 +161,7 @@ func (a *Admin) Pending(ctx context.Context, db DB, f PendingFilter) ([]Row, err
 	if f.Failing {
 		w.add("attempts > 0")
 	}
-	limit := f.Limit
+	limit := min(f.Limit, MaxListLimit)
 	if limit <= 0 {
 		limit = 100
 	}
@@ -188,9 +188,15 @@ type ParkedFilter struct {
 	// All selects every parked row. ReplayTx requires it when no other filter is set, so an
 	// empty filter never moves everything by accident.
 	All bool
-	// Limit caps Parked's listing (default 100); ReplayTx ignores it.
+	// AfterID continues Parked's listing after the row with this id (the last one of the
+	// previous page); ReplayTx and CountParked ignore it.
+	AfterID int64
+	// Limit caps Parked's listing (default 100, at most MaxListLimit); ReplayTx ignores it.
 	Limit int
 }
+
+// MaxListLimit caps one page of Pending and Parked, so one call never reads a whole table.
+const MaxListLimit = 1000
 
 func (f ParkedFilter) empty() bool {
 	return len(f.IDs) == 0 && len(f.EventIDs) == 0 && f.Topic == "" && f.Key == ""
@@ -228,7 +234,10 @@ func (a *Admin) Parked(ctx context.Context, db DB, f ParkedFilter) ([]ParkedRow,
 	if err != nil {
 		return nil, err
 	}
-	limit := f.Limit
+	if f.AfterID > 0 {
+		w.add("id > " + w.arg(f.AfterID))
+	}
+	limit := min(f.Limit, MaxListLimit)
 	if limit <= 0 {
 		limit = 100
 	}
@@ -253,6 +262,54 @@ func (a *Admin) Parked(ctx context.Context, db DB, f ParkedFilter) ([]ParkedRow,
 	return out, nil
 }
 
+// CountParked counts the parked rows f selects, up to max (it stops counting there, so a
+// dry run costs the same with a million parked rows), and returns the ids of the first
+// (oldest) of them, at most ids. An empty filter without All counts nothing: ReplayTx would
+// refuse it.
+func (a *Admin) CountParked(ctx context.Context, db DB, f ParkedFilter, max, ids int) (int64, []int64, error) {
+	if f.empty() && !f.All {
+		return 0, nil, ErrEmptyReplayFilter
+	}
+	w, err := f.where()
+	if err != nil {
+		return 0, nil, err
+	}
+	sql := `SELECT count(*), (array_agg(id ORDER BY id))[1:` + w.arg(ids) + `] FROM (SELECT id FROM ` + a.q.parked + w.sql() +
+		` ORDER BY id LIMIT ` + w.arg(max) + `) s`
+	var n int64
+	var first []int64
+	if err := db.QueryRow(ctx, sql, w.args...).Scan(&n, &first); err != nil {
+		return 0, nil, a.wrap("count parked rows", err)
+	}
+	return n, first, nil
+}
+
+// KeyBacklog is what waits for one topic and partition key.
+type KeyBacklog struct {
+	Topic    string
+	Key      string
+	Rows     int64
+	Oldest   time.Time // creation time of its oldest waiting row
+	Attempts int       // the most failed publish attempts of any of its rows
+}
+
+// PendingByKey groups the oldest sample waiting rows by topic and key, oldest first, at most
+// limit groups. It reads sample rows from the head of the primary key, not the table: the
+// cost is flat at any backlog, and the head is where a stuck key shows.
+func (a *Admin) PendingByKey(ctx context.Context, db DB, sample, limit int) ([]KeyBacklog, error) {
+	rows, err := db.Query(ctx, `SELECT topic, partition_key, count(*), min(created_at), max(attempts)
+		FROM (SELECT topic, partition_key, created_at, attempts FROM `+a.q.outbox+` ORDER BY id LIMIT $1) s
+		GROUP BY topic, partition_key ORDER BY min(created_at), topic, partition_key LIMIT $2`, sample, limit)
+	if err != nil {
+		return nil, a.wrap("group pending rows by key", err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[KeyBacklog])
+	if err != nil {
+		return nil, a.wrap("group pending rows by key", err)
+	}
+	return out, nil
+}
+
 // Replayed is a parked row moved back into the outbox.
 type Replayed struct {
 	EventID string // unchanged: consumers see the same message id as before
@@ -264,7 +321,9 @@ var ErrEmptyReplayFilter = errors.New("relay: replay needs a filter (ids, event 
 
 // ReplayTx moves the selected parked rows back into the outbox as part of tx, in their
 // original order, with their original event id, payload, metadata and key, and a fresh
-// attempt count. They get new outbox ids, so they are published after the rows already
+// attempt count. Their created_at is the replay's time: the age `onceflow status` checks is
+// how long a row has waited for the relay since it was last handed to it, so a replayed row
+// is not reported stuck for the time it spent parked. They get new outbox ids, so they are published after the rows already
 // waiting: a replayed row arrives after later events of its key (parking already broke that
 // key's order). The relays are woken when tx commits.
 func (a *Admin) ReplayTx(ctx context.Context, tx pgx.Tx, f ParkedFilter) ([]Replayed, error) {
@@ -277,7 +336,7 @@ func (a *Admin) ReplayTx(ctx context.Context, tx pgx.Tx, f ParkedFilter) ([]Repl
 	}
 	rows, err := tx.Query(ctx, `WITH moved AS (DELETE FROM `+a.q.parked+w.sql()+` RETURNING *)
 		INSERT INTO `+a.q.outbox+` (event_id, topic, partition_key, key_hash, payload, metadata, created_at)
-		SELECT event_id, topic, partition_key, key_hash, payload, metadata, created_at FROM moved ORDER BY id
+		SELECT event_id, topic, partition_key, key_hash, payload, metadata, now() FROM moved ORDER BY id
 		RETURNING event_id::text, id`, w.args...)
 	if err != nil {
 		return nil, a.wrap("replay parked rows", err)

@@ -2,9 +2,11 @@ package saga
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -61,6 +63,9 @@ type Detail struct {
 	// CheckedAt is the database's clock when the saga was read: compare Wait.Since and the
 	// timers with it, not with the local clock.
 	CheckedAt time.Time
+	// TraceParent is the W3C traceparent of the caller of StartTx ("" when it had none):
+	// its trace id finds the saga's spans in a tracing backend.
+	TraceParent string
 }
 
 // Timer is a pending timer of a saga.
@@ -71,59 +76,161 @@ type Timer struct {
 	Due    time.Time
 }
 
-// ListFilter selects sagas; zero fields match everything.
+// ListFilter selects sagas; zero fields match everything. Filters combine with AND.
 type ListFilter struct {
-	State State
-	Name  string
-	Limit int // default 100
+	State   State
+	Name    string // definition name
+	Version int    // definition version; 0: any
+	// Step is the name of the current step (being run or compensated; the last one when
+	// finished).
+	Step string
+	// Error matches sagas whose error contains this text, ignoring case.
+	Error string
+	// IDPrefix matches sagas whose id starts with it.
+	IDPrefix string
+	// StartedBefore matches sagas started before this time (to list those older than an age).
+	StartedBefore time.Time
+	// After continues a listing after the last saga of a page: the Page.Next it returned.
+	After string
+	// Limit is the page size: default 100, at most MaxListLimit.
+	Limit int
 }
 
-// List returns sagas matching f, newest first.
+// MaxListLimit caps a page of List and ListPage, so one call never reads a million rows.
+const MaxListLimit = 1000
+
+// ErrBadFilter is returned for a ListFilter that cannot select anything meaningful: an
+// unknown state, a negative version or limit, a cursor (After) that no page returned.
+var ErrBadFilter = errors.New("saga: bad list filter")
+
+// Page is one page of sagas, newest first.
+type Page struct {
+	Sagas []Summary
+	// Next is the ListFilter.After of the following page; "" when this page is the last.
+	Next string
+}
+
+// List returns the first page of sagas matching f, newest first (see ListPage).
 func (a *Admin) List(ctx context.Context, db DB, f ListFilter) ([]Summary, error) {
-	if f.Limit <= 0 {
+	p, err := a.ListPage(ctx, db, f)
+	return p.Sagas, err
+}
+
+// ListPage returns one page of sagas matching f, newest first, and the cursor of the next.
+// Pages are keyset-paginated on (created_at, id), on the indexes of migration 0011: a page
+// deep in a million sagas costs what the first one does.
+func (a *Admin) ListPage(ctx context.Context, db DB, f ListFilter) (Page, error) {
+	var problems []string
+	switch f.State {
+	case "", StateRunning, StateCompensating, StateCompleted, StateCompensated, StateStuck:
+	default:
+		problems = append(problems, fmt.Sprintf("state %q is not a saga state (running, compensating, completed, compensated, stuck)", f.State))
+	}
+	if f.Version < 0 {
+		problems = append(problems, fmt.Sprintf("version %d is negative", f.Version))
+	}
+	switch {
+	case f.Limit == 0:
 		f.Limit = 100
+	case f.Limit < 0 || f.Limit > MaxListLimit:
+		problems = append(problems, fmt.Sprintf("limit %d is not between 1 and %d", f.Limit, MaxListLimit))
+	}
+	var after *cursor
+	if f.After != "" {
+		c, err := parseCursor(f.After)
+		if err != nil {
+			problems = append(problems, err.Error())
+		}
+		after = &c
+	}
+	if len(problems) > 0 {
+		return Page{}, fmt.Errorf("%w: %s", ErrBadFilter, strings.Join(problems, "; "))
 	}
 	var conds []string
-	args := []any{f.Limit}
+	args := []any{f.Limit + 1}
+	arg := func(v any) string { args = append(args, v); return fmt.Sprintf("$%d", len(args)) }
 	if f.State != "" {
-		args = append(args, string(f.State))
-		conds = append(conds, fmt.Sprintf("state = $%d", len(args)))
+		conds = append(conds, "state = "+arg(string(f.State)))
 	}
 	if f.Name != "" {
-		args = append(args, f.Name)
-		conds = append(conds, fmt.Sprintf("name = $%d", len(args)))
+		conds = append(conds, "name = "+arg(f.Name))
+	}
+	if f.Version != 0 {
+		conds = append(conds, "version = "+arg(f.Version))
+	}
+	if f.Step != "" {
+		conds = append(conds, "steps -> step ->> 'name' = "+arg(f.Step))
+	}
+	if f.Error != "" {
+		conds = append(conds, "strpos(lower(error), lower("+arg(f.Error)+")) > 0")
+	}
+	if f.IDPrefix != "" {
+		conds = append(conds, "starts_with(id, "+arg(f.IDPrefix)+")")
+	}
+	if !f.StartedBefore.IsZero() {
+		conds = append(conds, "created_at < "+arg(f.StartedBefore))
+	}
+	if after != nil {
+		conds = append(conds, "(created_at, id) < ("+arg(after.at)+", "+arg(after.id)+")")
 	}
 	where := ""
 	if len(conds) > 0 {
 		where = " WHERE " + strings.Join(conds, " AND ")
 	}
-	rows, err := db.Query(ctx, `SELECT id, name, version, state, step, attempt, error, steps, created_at, updated_at FROM `+
-		pgsql.Table(a.st.schema, "saga")+where+` ORDER BY created_at DESC, id LIMIT $1`, args...)
+	rows, err := db.Query(ctx, `SELECT id, name, version, state, step, attempt, error, steps -> step ->> 'name', created_at, updated_at FROM `+
+		pgsql.Table(a.st.schema, "saga")+where+` ORDER BY created_at DESC, id DESC LIMIT $1`, args...)
 	if err != nil {
-		return nil, fmt.Errorf("saga: list: %w", a.st.explain(err))
+		return Page{}, fmt.Errorf("saga: list: %w", a.st.explain(err))
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Summary, error) {
 		var s Summary
 		var step int
-		var steps []byte
-		if err := r.Scan(&s.ID, &s.Name, &s.Version, &s.State, &step, &s.Attempt, &s.Error, &steps, &s.CreatedAt, &s.UpdatedAt); err != nil {
+		var name *string
+		if err := r.Scan(&s.ID, &s.Name, &s.Version, &s.State, &step, &s.Attempt, &s.Error, &name, &s.CreatedAt, &s.UpdatedAt); err != nil {
 			return s, err
 		}
-		s.Step = stepName(steps, step)
+		s.Step = fmt.Sprintf("#%d", step)
+		if name != nil {
+			s.Step = *name
+		}
 		return s, nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("saga: list: %w", a.st.explain(err))
+		return Page{}, fmt.Errorf("saga: list: %w", a.st.explain(err))
 	}
-	return out, nil
+	p := Page{Sagas: out}
+	if len(out) > f.Limit {
+		p.Sagas = out[:f.Limit]
+		last := p.Sagas[f.Limit-1]
+		p.Next = cursor{at: last.CreatedAt, id: last.ID}.String()
+	}
+	return p, nil
 }
 
-func stepName(stepsJSON []byte, i int) string {
-	var steps []StepHistory
-	if json.Unmarshal(stepsJSON, &steps) != nil || i < 0 || i >= len(steps) {
-		return fmt.Sprintf("#%d", i)
+// cursor is the position after a saga in the list order (created_at DESC, id DESC).
+type cursor struct {
+	at time.Time
+	id string
+}
+
+// String encodes the cursor for a URL: microseconds since the epoch (PostgreSQL's
+// precision, so the position is exact) and the id.
+func (c cursor) String() string {
+	return base64.RawURLEncoding.EncodeToString([]byte(strconv.FormatInt(c.at.UnixMicro(), 10) + ":" + c.id))
+}
+
+func parseCursor(s string) (cursor, error) {
+	bad := fmt.Errorf("cursor %q is not one a page of sagas returned", s)
+	b, err := base64.RawURLEncoding.DecodeString(s)
+	if err != nil {
+		return cursor{}, bad
 	}
-	return steps[i].Name
+	us, id, ok := strings.Cut(string(b), ":")
+	n, err := strconv.ParseInt(us, 10, 64)
+	if !ok || err != nil {
+		return cursor{}, bad
+	}
+	return cursor{at: time.UnixMicro(n).UTC(), id: id}, nil
 }
 
 // ErrNotFound is returned for a saga id without a row (never started, or removed by the
@@ -142,7 +249,7 @@ func (a *Admin) Get(ctx context.Context, db DB, id string) (*Detail, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Detail{Summary: summaryOf(in), Data: in.Data, Steps: in.Steps, CheckedAt: now}
+	d := &Detail{Summary: summaryOf(in), Data: in.Data, Steps: in.Steps, CheckedAt: now, TraceParent: in.Trace["traceparent"]}
 	rows, err := db.Query(ctx, `SELECT kind, action, step, due_at FROM `+pgsql.Table(a.st.schema, "saga_timer")+` WHERE saga_id = $1 ORDER BY due_at`, id)
 	if err != nil {
 		return nil, fmt.Errorf("saga: timers of %q: %w", id, a.st.explain(err))
