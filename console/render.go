@@ -155,7 +155,7 @@ func fmtDur(d time.Duration) string {
 	case d < time.Hour:
 		return d.Round(time.Second).String()
 	case d < 48*time.Hour:
-		return d.Round(time.Minute).String()
+		return strings.TrimSuffix(d.Round(time.Minute).String(), "0s") // 1h5m, not 1h5m0s
 	}
 	return fmt.Sprintf("%dd%dh", d/(24*time.Hour), (d%(24*time.Hour))/time.Hour)
 }

@@ -109,7 +109,7 @@ type dbFlags struct {
 
 func (c *cli) addDBFlags(fs *flag.FlagSet) *dbFlags {
 	d := &dbFlags{c: c, url: c.getenv("DATABASE_URL")}
-	fs.Var(&dsnValue{s: &d.url, secrets: c.secrets}, "database-url",
+	fs.Var(&dsnValue{s: &d.url, secrets: c.secrets, warn: c.stderr}, "database-url",
 		"PostgreSQL connection `string` (URL or key=value; its password is never shown) [DATABASE_URL]")
 	fs.StringVar(&d.schema, "schema", c.envOr("ONCEFLOW_SCHEMA", pgsql.DefaultSchema), "schema holding the onceflow tables [ONCEFLOW_SCHEMA]")
 	return d
@@ -121,6 +121,7 @@ func (c *cli) addDBFlags(fs *flag.FlagSet) *dbFlags {
 type dsnValue struct {
 	s       *string
 	secrets *secrets
+	warn    io.Writer // where a password in the flag is warned about
 }
 
 func (v *dsnValue) String() string {
@@ -133,6 +134,13 @@ func (v *dsnValue) String() string {
 func (v *dsnValue) Set(s string) error {
 	*v.s = s
 	v.secrets.add(s)
+	// A flag's value is in the process's command line, which every user of the host reads
+	// (ps, /proc/PID/cmdline) for as long as the process runs: relay, status --watch,
+	// cleanup --every and ui run for days.
+	if v.warn != nil && pgsql.RedactDSN(s) != s {
+		fmt.Fprintln(v.warn, "onceflow: warning: --database-url carries a password, which ps shows to every user of this host "+
+			"while the command runs; pass the URL without it and set PGPASSWORD or ~/.pgpass, or put the whole URL in DATABASE_URL")
+	}
 	return nil
 }
 

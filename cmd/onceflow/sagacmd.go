@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -28,7 +29,7 @@ which has the saga's definition; the command only files the request.`
 
 func (c *cli) runSaga(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		c.sagaUsage()
+		c.sagaUsage(c.stderr)
 		return errUsage
 	}
 	switch args[0] {
@@ -38,18 +39,18 @@ func (c *cli) runSaga(ctx context.Context, args []string) error {
 		return c.sagaShow(ctx, args[1:])
 	case "retry", "compensate":
 		return c.sagaRequest(ctx, args[0], args[1:])
-	case "-h", "--help", "help":
-		c.sagaUsage()
-		return nil
+	case "-h", "-help", "--help", "help":
+		c.sagaUsage(c.stdout) // help asked for: stdout, like every other command's
+		return flag.ErrHelp
 	default:
 		fmt.Fprintf(c.stderr, "onceflow saga: unknown action %q\n\n", args[0])
-		c.sagaUsage()
+		c.sagaUsage(c.stderr)
 		return errUsage
 	}
 }
 
-func (c *cli) sagaUsage() {
-	fmt.Fprintf(c.stderr, "Usage: onceflow %s\n\nRun 'onceflow saga <action> -h' for the flags of an action.\n", sagaSynopsis)
+func (c *cli) sagaUsage(w io.Writer) {
+	fmt.Fprintf(w, "Usage: onceflow %s\n\nRun 'onceflow saga <action> -h' for the flags of an action.\n", sagaSynopsis)
 }
 
 func (c *cli) sagaList(ctx context.Context, args []string) error {
