@@ -64,16 +64,25 @@ type ParkedRow struct {
 
 // Summary is the state of the outbox and of the relays.
 type Summary struct {
-	Pending   int64     // rows waiting
-	Failing   int64     // of which the broker refused at least once (attempts > 0)
-	Oldest    time.Time // creation time of the oldest waiting row; zero when none
-	Parked    int64     // rows in outbox_parked
+	// Pending rows waiting: exact when PendingExact, else an estimate (see Backlog.Rows).
+	Pending      int64
+	PendingExact bool
+	// Failing counts the rows the broker refused at least once (attempts > 0) among the
+	// oldest SummarySample waiting rows, where refused rows stay.
+	Failing int64
+	Oldest  time.Time // creation time of the oldest waiting row; zero when none
+	Parked  int64     // rows in outbox_parked, counted up to ExactBacklogRows
+	// PerTopic counts the oldest SummarySample waiting rows by topic, most first (at most 50).
 	PerTopic  []TopicCount
 	Shards    int // shard count of the lease table (0 before the first relay started)
 	Leases    []OwnerLeases
 	Members   []Member
 	CheckedAt time.Time // database clock
 }
+
+// SummarySample is how many of the oldest waiting rows Summary reads for Failing and
+// PerTopic: from the head of the primary key, so a summary costs the same at any backlog.
+const SummarySample = 10_000
 
 // TopicCount is the number of waiting rows of one topic.
 type TopicCount struct {
@@ -99,19 +108,23 @@ type Member struct {
 	Live        bool
 }
 
-// Summary reads the counts, the leases and the relay members.
+// Summary reads the backlog (Backlog: no count of the whole table), the failing rows and
+// topics of the oldest SummarySample rows, the leases and the relay members.
 func (a *Admin) Summary(ctx context.Context, db DB) (Summary, error) {
 	var s Summary
-	var oldest *time.Time
-	err := db.QueryRow(ctx, `SELECT now(), count(*), count(*) FILTER (WHERE attempts > 0), min(created_at), (SELECT count(*) FROM `+a.q.parked+`) FROM `+a.q.outbox).
-		Scan(&s.CheckedAt, &s.Pending, &s.Failing, &oldest, &s.Parked)
+	b, err := a.Backlog(ctx, db)
 	if err != nil {
-		return s, a.wrap("read outbox summary", err)
+		return s, err
 	}
-	if oldest != nil {
-		s.Oldest = *oldest
+	s.CheckedAt, s.Pending, s.PendingExact, s.Parked = b.CheckedAt, b.Rows, b.Exact, b.Parked
+	if b.OldestID > 0 {
+		s.Oldest = b.Oldest
 	}
-	rows, err := db.Query(ctx, `SELECT topic, count(*) FROM `+a.q.outbox+` GROUP BY topic ORDER BY count(*) DESC, topic LIMIT 50`)
+	head := `(SELECT topic, attempts FROM ` + a.q.outbox + ` ORDER BY id LIMIT ` + strconv.Itoa(SummarySample) + `) h`
+	if err := db.QueryRow(ctx, `SELECT count(*) FILTER (WHERE attempts > 0) FROM `+head).Scan(&s.Failing); err != nil {
+		return s, a.wrap("count failing rows", err)
+	}
+	rows, err := db.Query(ctx, `SELECT topic, count(*) FROM `+head+` GROUP BY topic ORDER BY count(*) DESC, topic LIMIT 50`)
 	if err != nil {
 		return s, a.wrap("count rows per topic", err)
 	}

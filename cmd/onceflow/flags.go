@@ -282,3 +282,21 @@ func (m *maskingWriter) Write(p []byte) (int, error) {
 	}
 	return len(p), nil
 }
+
+// maxLimit is the largest --limit: a listing is one page, and the next page is asked for
+// with the cursor the listing prints (--after), so no command reads a whole table at once.
+const maxLimit = 1000
+
+// addLimitFlag is every listing's --limit, with one meaning everywhere: list at most N rows,
+// N from 1 to maxLimit. 0 is refused rather than read as "none" or "all": the two readings
+// commands used to give it.
+func addLimitFlag(fs *flag.FlagSet, def int, what string) *int {
+	return fs.Int("limit", def, fmt.Sprintf("%s to list, 1 to %d (the listing says how to get the next page)", what, maxLimit))
+}
+
+func checkLimit(n int) error {
+	if n < 1 || n > maxLimit {
+		return fmt.Errorf("--limit is %d; it must be between 1 and %d (page on with the cursor the listing prints)", n, maxLimit)
+	}
+	return nil
+}

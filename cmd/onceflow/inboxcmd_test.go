@@ -69,7 +69,7 @@ func TestInboxPoisonCommands(t *testing.T) {
 
 	r = runCmd(ctx, env, "inbox", "poison", "--consumer", "billing", "--limit", "1").expect(t, "inbox poison --consumer --limit", 0)
 	if !strings.Contains(r.stdout, second.UUID) || strings.Contains(r.stdout, first.UUID) || strings.Contains(r.stdout, third.UUID) ||
-		!strings.Contains(r.stdout, "2 poison messages (the newest 1 shown") {
+		!strings.Contains(r.stdout, "2 poison messages (1 shown; --before ") {
 		t.Errorf("inbox poison --consumer billing --limit 1:\n%s", r.stdout)
 	}
 

@@ -53,40 +53,83 @@ func (c *cli) sagaUsage(w io.Writer) {
 	fmt.Fprintf(w, "Usage: onceflow %s\n\nRun 'onceflow saga <action> -h' for the flags of an action.\n", sagaSynopsis)
 }
 
+// sagaFilterFlags are the filters of saga list, shared by the bulk retry and compensate.
+type sagaFilterFlags struct {
+	state, name, step, errText, idPrefix string
+	version                              int
+	olderThan                            time.Duration
+}
+
+func addSagaFilterFlags(fs *flag.FlagSet) *sagaFilterFlags {
+	f := &sagaFilterFlags{}
+	fs.StringVar(&f.state, "state", "", "only sagas in this state: running, compensating, completed, compensated or stuck")
+	fs.StringVar(&f.name, "name", "", "only sagas of this definition")
+	fs.IntVar(&f.version, "version", 0, "only sagas of this definition version (0: any)")
+	fs.StringVar(&f.step, "step", "", "only sagas whose current step has this name")
+	fs.StringVar(&f.errText, "error", "", "only sagas whose error contains this text (ignoring case)")
+	fs.StringVar(&f.idPrefix, "id-prefix", "", "only sagas whose id starts with this")
+	fs.DurationVar(&f.olderThan, "older-than", 0, "only sagas started longer ago than this (e.g. 2h)")
+	return f
+}
+
+// filter is the flags as a saga.ListFilter; the Admin validates the rest (saga.ErrBadFilter).
+// An unknown --state is a usage error (exit 2), as a mistyped flag is.
+func (f *sagaFilterFlags) filter(c *cli, cmd string) (saga.ListFilter, error) {
+	switch saga.State(f.state) {
+	case "", saga.StateRunning, saga.StateCompensating, saga.StateCompleted, saga.StateCompensated, saga.StateStuck:
+	default:
+		fmt.Fprintf(c.stderr, "onceflow %s: --state %q is not a saga state; use running, compensating, completed, compensated or stuck\n", cmd, f.state)
+		return saga.ListFilter{}, errUsage
+	}
+	lf := saga.ListFilter{State: saga.State(f.state), Name: f.name, Version: f.version, Step: f.step, Error: f.errText, IDPrefix: f.idPrefix}
+	if f.olderThan < 0 {
+		return lf, fmt.Errorf("--older-than is %s; it must not be negative", f.olderThan)
+	}
+	if f.olderThan > 0 {
+		lf.StartedBefore = time.Now().Add(-f.olderThan)
+	}
+	return lf, nil
+}
+
 func (c *cli) sagaList(ctx context.Context, args []string) error {
-	fs := c.newFlagSet("saga list", "saga list [flags]\n\nLists sagas, newest first.")
+	fs := c.newFlagSet("saga list", "saga list [flags]\n\nLists sagas, newest first, a page at a time (--limit; the next page with the --after it prints).")
 	db := c.addDBFlags(fs)
-	state := fs.String("state", "", "only sagas in this state: running, compensating, completed, compensated or stuck")
-	name := fs.String("name", "", "only sagas of this definition")
-	limit := fs.Int("limit", 100, "sagas to list")
+	sf := addSagaFilterFlags(fs)
+	limit := addLimitFlag(fs, 100, "sagas")
+	after := fs.String("after", "", "list the page after this cursor (printed at the end of the previous page)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	switch saga.State(*state) {
-	case "", saga.StateRunning, saga.StateCompensating, saga.StateCompleted, saga.StateCompensated, saga.StateStuck:
-	default:
-		fmt.Fprintf(c.stderr, "onceflow saga list: --state %q is not a saga state; use running, compensating, completed, compensated or stuck\n", *state)
-		return errUsage
+	if err := checkLimit(*limit); err != nil {
+		return err
 	}
+	f, err := sf.filter(c, "saga list")
+	if err != nil {
+		return err
+	}
+	f.Limit, f.After = *limit, *after
 	admin, pool, err := sagaAdmin(ctx, db)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	list, err := admin.List(ctx, pool, saga.ListFilter{State: saga.State(*state), Name: *name, Limit: *limit})
+	page, err := admin.ListPage(ctx, pool, f)
 	if err != nil {
 		return err
 	}
 	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	p := &printer{w: tw}
-	if len(list) == 0 {
+	if len(page.Sagas) == 0 {
 		p.f("no sagas\n")
 		return p.flush(tw)
 	}
 	p.f("ID\tNAME\tVERSION\tSTATE\tSTEP\tATTEMPT\tSTARTED\tUPDATED\tERROR\n")
-	for _, s := range list {
+	for _, s := range page.Sagas {
 		p.f("%s\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\n", s.ID, s.Name, s.Version, s.State, s.Step, s.Attempt,
 			fmtTime(s.CreatedAt), fmtTime(s.UpdatedAt), oneLine(s.Error))
+	}
+	if page.Next != "" {
+		p.f("\nmore sagas match: add --after %s for the next page\n", page.Next)
 	}
 	return p.flush(tw)
 }
