@@ -64,6 +64,11 @@ type Config struct {
 	Refresh time.Duration
 	// Logger receives one line per action (who, what, outcome). Default slog.Default().
 	Logger *slog.Logger
+	// Sagas are the saga definitions the service runs (any *saga.Definition[D]), if the
+	// console is mounted where they are at hand: with a saga's definition the console refuses
+	// to compensate a saga past its pivot up front, instead of filing a request the
+	// orchestrator drops. Optional.
+	Sagas []saga.Known
 }
 
 // validate fills the defaults and reports every problem at once.
@@ -117,7 +122,7 @@ func New(cfg Config) (*Console, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	sa, err := saga.NewAdmin(cfg.Schema)
+	sa, err := saga.NewAdmin(cfg.Schema, cfg.Sagas...)
 	if err != nil {
 		return nil, err
 	}

@@ -2,6 +2,8 @@ package console_test
 
 import (
 	"context"
+	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/onceflow/onceflow/console"
 	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/saga"
 )
 
 // Every page renders from a database seeded with sagas in every state, pending and parked
@@ -361,3 +364,36 @@ func TestConfigValidation(t *testing.T) {
 }
 
 func regexpMust(s string) *regexp.Regexp { return regexp.MustCompile(s) }
+
+// Given the service's saga definitions, the console refuses to compensate a saga past its
+// pivot up front, with the reason, and files nothing.
+func TestCompensatePastPivotRefused(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	s := seed(t, db)
+	build := func(struct{}) (any, error) { return struct{}{}, nil }
+	def := saga.MustDefine("checkout", 1, []*saga.StepDef[struct{}]{
+		saga.Step[struct{}]("reserve").Send("reserve", build).Compensate("release", build),
+		saga.Step[struct{}]("charge").Send("charge", build).Pivot(),
+	})
+	h, err := console.New(console.Config{DB: db.Pool, Schema: db.Schema, Actions: true, Prefix: "/ops", Sagas: []saga.Known{def},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	b := newBrowser(t, srv)
+	p := b.get("/ops/sagas/"+s.running).expect(t, "saga page", http.StatusOK, `id="past-pivot"`)
+	if strings.Contains(p.body, `id="compensate"`) {
+		t.Error("the compensate button is offered past the pivot")
+	}
+	b.get("/ops/sagas/"+s.running+"/compensate").expect(t, "confirmation", http.StatusOK, `id="refusal"`, "past its pivot")
+	before := snapshot(t, db)
+	// A POST anyway (a stale page, a script): refused by saga.Admin.CompensateTx itself.
+	b.post("/ops/sagas/"+s.running+"/compensate", url.Values{"csrf": {regexpCookie(t, b, srv)}}).
+		expect(t, "POST compensate past the pivot", http.StatusBadRequest, "on or after its pivot &#34;charge&#34;", "can only go forward")
+	if after := snapshot(t, db); after != before {
+		t.Errorf("a refused compensation changed the database:\nbefore %s\nafter  %s", before, after)
+	}
+}

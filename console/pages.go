@@ -154,6 +154,7 @@ type sagaPageData struct {
 	Requested string // the request just filed, from the redirect after a POST
 	CanRetry  bool
 	CanComp   bool
+	PastPivot bool // on or past its pivot: it can only go forward
 }
 
 func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
@@ -168,6 +169,9 @@ func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	v := sagaPageData{D: d, Timeline: timeline(d), CanRetry: d.State == saga.StateStuck, CanComp: d.State == saga.StateRunning}
+	if past, _ := c.sagas.PastPivot(d); past {
+		v.CanComp, v.PastPivot = false, true
+	}
 	// traceparent: version-traceid-spanid-flags.
 	if parts := strings.Split(d.TraceParent, "-"); len(parts) == 4 {
 		v.TraceID = parts[1]
@@ -246,6 +250,8 @@ func (c *Console) sagaConfirm(w http.ResponseWriter, r *http.Request) {
 	v := confirmData{Title: act.title + " saga " + id, Effect: act.title + " " + act.effect, Action: back + "/" + r.PathValue("action"), Back: back}
 	if string(d.State) != act.state {
 		v.Refusal = "The saga is " + string(d.State) + "; only a " + act.state + " saga can be asked to " + r.PathValue("action") + "."
+	} else if past, _ := c.sagas.PastPivot(d); past && r.PathValue("action") == "compensate" {
+		v.Refusal = "The saga is at step " + d.Step + ", on or past its pivot: it can only go forward, and the orchestrator would drop a compensation."
 	}
 	c.render(w, r, http.StatusOK, "confirm", v)
 }

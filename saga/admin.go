@@ -23,20 +23,44 @@ type DB interface {
 
 // Admin reads sagas and files operator requests, for `onceflow saga` and health pages. It
 // needs no definition: requests (RetryTx, CompensateTx) are carried out by an orchestrator
-// that has the saga's definition, through the timer table, within its TimerInterval.
+// that has the saga's definition, through the timer table, within its TimerInterval. Given
+// the definitions (NewAdmin's defs), it refuses up front what the orchestrator would drop:
+// a compensation past a saga's pivot.
 type Admin struct {
-	st store
+	st   store
+	defs map[knownKey]Known
 }
 
-// NewAdmin returns an Admin for the saga tables of schema ("" = "onceflow").
-func NewAdmin(schema string) (*Admin, error) {
+type knownKey struct {
+	name    string
+	version int
+}
+
+// Known is a saga definition an Admin may be given: any *Definition[D].
+type Known interface {
+	Name() string
+	Version() int
+	pivotIndex() int
+}
+
+// NewAdmin returns an Admin for the saga tables of schema ("" = "onceflow"). defs are the
+// definitions the service runs, if the caller has them (a console mounted in the service):
+// with a saga's definition known, CompensateTx refuses a saga past its pivot.
+func NewAdmin(schema string, defs ...Known) (*Admin, error) {
 	if schema == "" {
 		schema = pgsql.DefaultSchema
 	}
 	if err := pgsql.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("saga: %w", err)
 	}
-	return &Admin{st: newStore(schema)}, nil
+	a := &Admin{st: newStore(schema), defs: map[knownKey]Known{}}
+	for _, d := range defs {
+		if d == nil {
+			return nil, errors.New("saga: NewAdmin: a nil definition")
+		}
+		a.defs[knownKey{d.Name(), d.Version()}] = d
+	}
+	return a, nil
 }
 
 // Summary is one saga in a list.
@@ -297,16 +321,45 @@ func (a *Admin) RetryTx(ctx context.Context, tx pgx.Tx, id string) error {
 	})
 }
 
+// ErrPastPivot is returned by CompensateTx for a saga on or past its pivot step: it can only
+// go forward, and the orchestrator would drop the request. It wraps ErrWrongState.
+var ErrPastPivot = fmt.Errorf("%w: the saga is past its pivot", ErrWrongState)
+
 // CompensateTx asks the orchestrator to stop a running saga and compensate the steps that took
 // effect (including the current one: the barrier makes that a no-op if its action never ran).
-// A saga past its pivot cannot be compensated.
+// A saga past its pivot cannot be compensated: when the Admin knows the saga's definition
+// (NewAdmin's defs) it refuses one with ErrPastPivot; otherwise the orchestrator drops the
+// request (and logs it).
 func (a *Admin) CompensateTx(ctx context.Context, tx pgx.Tx, id string) error {
 	return a.request(ctx, tx, id, actCompensate, func(in *instance) error {
 		if in.State != StateRunning {
 			return fmt.Errorf("%w: saga %q is %s; only a running saga can be compensated", ErrWrongState, id, in.State)
 		}
+		if d, ok := a.defs[knownKey{in.Name, in.Version}]; ok && in.Step >= d.pivotIndex() {
+			pivot := fmt.Sprintf("step %d", d.pivotIndex())
+			if p := d.pivotIndex(); p < len(in.Steps) {
+				pivot = fmt.Sprintf("%q", in.Steps[p].Name)
+			}
+			return fmt.Errorf("%w: saga %q is at step %q, on or after its pivot %s, and can only go forward; "+
+				"a compensation would be dropped (fix what blocks the step instead)", ErrPastPivot, id, in.Steps[in.Step].Name, pivot)
+		}
 		return nil
 	})
+}
+
+// PastPivot reports whether the Admin knows the saga's definition and the saga is on or past
+// its pivot (so CompensateTx would refuse it); known is false without the definition.
+func (a *Admin) PastPivot(d *Detail) (past, known bool) {
+	def, ok := a.defs[knownKey{d.Name, d.Version}]
+	if !ok {
+		return false, false
+	}
+	for i, s := range d.Steps {
+		if s.Name == d.Step && !d.State.Finished() {
+			return i >= def.pivotIndex(), true
+		}
+	}
+	return false, true
 }
 
 func (a *Admin) request(ctx context.Context, tx pgx.Tx, id, action string, check func(*instance) error) error {
@@ -324,4 +377,102 @@ func (a *Admin) request(ctx context.Context, tx pgx.Tx, id, action string, check
 		return fmt.Errorf("saga: file the %s request for %q: %w", action, id, a.st.explain(err))
 	}
 	return nil
+}
+
+// TxDB is what the bulk requests need: a DB that begins transactions (a *pgxpool.Pool).
+type TxDB interface {
+	DB
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// BulkOptions bound RetryMatching and CompensateMatching.
+type BulkOptions struct {
+	// DryRun lists the sagas the filter selects (up to Limit) and files nothing.
+	DryRun bool
+	// Limit is the most sagas acted on (or listed) in one call: default 100, at most
+	// MaxBulkLimit. BulkResult.More says whether the filter selects more.
+	Limit int
+}
+
+// MaxBulkLimit caps one bulk request: a larger recovery is several calls, each reported.
+const MaxBulkLimit = 10_000
+
+// BulkRefusal is a saga a bulk request did not apply to, and why.
+type BulkRefusal struct {
+	ID  string
+	Err error // wraps ErrWrongState, ErrPastPivot or ErrNotFound
+}
+
+// BulkResult reports a bulk request saga by saga.
+type BulkResult struct {
+	// Matched are the ids the filter selected, newest first, at most Limit.
+	Matched []string
+	// More is set when the filter selects more sagas than Limit.
+	More bool
+	// Requested are the sagas whose request was filed (none on a dry run).
+	Requested []string
+	// Refused are the sagas the request does not apply to (their state changed since they
+	// were listed, or past the pivot), each with the reason; nothing was filed for them.
+	Refused []BulkRefusal
+}
+
+// RetryMatching files a retry request (RetryTx) for each saga f selects, in its own
+// transaction, so each saga is requested or refused as a whole and one refusal stops
+// nothing else. f.After and f.Limit are ignored: o.Limit bounds the call.
+func (a *Admin) RetryMatching(ctx context.Context, db TxDB, f ListFilter, o BulkOptions) (BulkResult, error) {
+	return a.bulk(ctx, db, f, o, a.RetryTx)
+}
+
+// CompensateMatching files a compensation request (CompensateTx) for each saga f selects,
+// as RetryMatching does.
+func (a *Admin) CompensateMatching(ctx context.Context, db TxDB, f ListFilter, o BulkOptions) (BulkResult, error) {
+	return a.bulk(ctx, db, f, o, a.CompensateTx)
+}
+
+func (a *Admin) bulk(ctx context.Context, db TxDB, f ListFilter, o BulkOptions, request func(context.Context, pgx.Tx, string) error) (BulkResult, error) {
+	var res BulkResult
+	switch {
+	case o.Limit == 0:
+		o.Limit = 100
+	case o.Limit < 0 || o.Limit > MaxBulkLimit:
+		return res, fmt.Errorf("%w: limit %d is not between 1 and %d", ErrBadFilter, o.Limit, MaxBulkLimit)
+	}
+	// Select first, in pages (each bounded by the keyset indexes), then act: the selection is
+	// what the filter matched when the call began, and acting does not move the pages.
+	f.After = ""
+	for len(res.Matched) < o.Limit {
+		f.Limit = min(MaxListLimit, o.Limit-len(res.Matched)+1)
+		p, err := a.ListPage(ctx, db, f)
+		if err != nil {
+			return res, err
+		}
+		for _, s := range p.Sagas {
+			if len(res.Matched) == o.Limit {
+				res.More = true
+				break
+			}
+			res.Matched = append(res.Matched, s.ID)
+		}
+		if p.Next == "" || res.More {
+			break
+		}
+		f.After = p.Next
+	}
+	if o.DryRun {
+		return res, nil
+	}
+	for _, id := range res.Matched {
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return request(ctx, tx, id) })
+		switch {
+		case err == nil:
+			res.Requested = append(res.Requested, id)
+		case errors.Is(err, ErrWrongState), errors.Is(err, ErrNotFound):
+			res.Refused = append(res.Refused, BulkRefusal{ID: id, Err: err})
+		default:
+			// The database failed: stop, and report what was filed so far (each of those
+			// committed on its own).
+			return res, err
+		}
+	}
+	return res, nil
 }

@@ -276,31 +276,101 @@ func waitText(d *saga.Detail) string {
 
 func (c *cli) sagaRequest(ctx context.Context, action string, args []string) error {
 	what := map[string]string{
-		"retry":      "Resumes a stuck saga: an orchestrator re-sends its compensation with a fresh attempt budget.",
-		"compensate": "Stops a running saga: an orchestrator compensates the steps that took effect.",
+		"retry":      "Resumes stuck sagas: an orchestrator carries the request out (see docs/sagas.md).",
+		"compensate": "Stops running sagas: an orchestrator compensates the steps that took effect.",
 	}[action]
-	fs := c.newFlagSet("saga "+action, "saga "+action+" [flags] ID\n\n"+what)
+	fs := c.newFlagSet("saga "+action, "saga "+action+" [flags] ID\n  or: saga "+action+" --state ... [filters] [--dry-run] [--limit N]\n\n"+what+
+		"\n\nWith filters (those of saga list) it acts on every saga they select, newest first, at most --limit,\n"+
+		"one transaction per saga; each saga the request does not apply to is reported with the reason.\n"+
+		"--dry-run prints the count and the ids and files nothing.")
 	db := c.addDBFlags(fs)
-	id, err := c.oneID(fs, action, args)
+	sf := addSagaFilterFlags(fs)
+	dry := fs.Bool("dry-run", false, "print the sagas the filters select, and file nothing")
+	limit := addLimitFlag(fs, 100, "sagas")
+	pos, err := c.positional(fs, args)
 	if err != nil {
 		return err
+	}
+	if err := checkLimit(*limit); err != nil {
+		return err
+	}
+	filtered := false
+	fs.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "state", "name", "version", "step", "error", "id-prefix", "older-than":
+			filtered = true
+		}
+	})
+	switch {
+	case len(pos) == 1 && !filtered && !*dry:
+	case len(pos) == 0 && filtered:
+	default:
+		fmt.Fprintf(c.stderr, "onceflow saga %s: give one saga id, or filters (e.g. --state stuck) with optional --dry-run and --limit, not both\n", action)
+		return errUsage
 	}
 	admin, pool, err := sagaAdmin(ctx, db)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if action == "retry" {
-			return admin.RetryTx(ctx, tx, id)
+	if len(pos) == 1 {
+		id := pos[0]
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if action == "retry" {
+				return admin.RetryTx(ctx, tx, id)
+			}
+			return admin.CompensateTx(ctx, tx, id)
+		})
+		if err != nil {
+			return err
 		}
-		return admin.CompensateTx(ctx, tx, id)
-	})
+		_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out (watch it with: onceflow saga show %s)\n", action, id, id)
+		return err
+	}
+	f, err := sf.filter(c, "saga "+action)
 	if err != nil {
 		return err
 	}
-	_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out (watch it with: onceflow saga show %s)\n", action, id, id)
-	return err
+	bulk := admin.RetryMatching
+	if action == "compensate" {
+		bulk = admin.CompensateMatching
+	}
+	res, err := bulk(ctx, pool, f, saga.BulkOptions{DryRun: *dry, Limit: *limit})
+	p := &printer{w: c.stdout}
+	more := ""
+	if res.More {
+		more = fmt.Sprintf(" (more match: at most --limit %d per run; run it again for the rest)", *limit)
+	}
+	if err != nil && len(res.Requested) == 0 {
+		return err
+	}
+	if len(res.Matched) == 0 {
+		return fmt.Errorf("no saga matches the filters: nothing to %s (onceflow saga list with the same filters shows what they select)", action)
+	}
+	if *dry {
+		p.f("%d sagas would get a %s request (dry run: nothing filed)%s:\n", len(res.Matched), action, more)
+		for _, id := range res.Matched {
+			p.f("  %s\n", id)
+		}
+		return p.err
+	}
+	for _, id := range res.Requested {
+		p.f("%s requested for saga %s\n", action, id)
+	}
+	for _, r := range res.Refused {
+		p.f("refused saga %s: %s\n", r.ID, withoutPrefix("saga", r.Err))
+	}
+	p.f("%d of %d sagas requested, %d refused%s; a running orchestrator carries the requests out\n", len(res.Requested), len(res.Matched), len(res.Refused), more)
+	if p.err != nil {
+		return p.err
+	}
+	if err != nil {
+		return fmt.Errorf("stopped after %d requests: %w", len(res.Requested), err)
+	}
+	if len(res.Refused) > 0 {
+		return fmt.Errorf("%d sagas refused (listed above); the others were requested", len(res.Refused))
+	}
+	return nil
 }
 
 // sagaAdmin connects for a saga command.
@@ -315,13 +385,34 @@ func sagaAdmin(ctx context.Context, db *dbFlags) (*saga.Admin, *pgxpool.Pool, er
 
 // oneID parses flags and exactly one positional saga id.
 func (c *cli) oneID(fs *flag.FlagSet, action string, args []string) (string, error) {
-	// Flags may come before or after the id.
+	pos, err := c.positional(fs, args)
+	if err != nil {
+		return "", err
+	}
+	if len(pos) != 1 {
+		fmt.Fprintf(c.stderr, "onceflow saga %s: give exactly one saga id (see onceflow saga list)\n", action)
+		return "", errUsage
+	}
+	return pos[0], nil
+}
+
+// positional parses the flags, which may come before or after the positional arguments, and
+// returns the positional ones.
+func (c *cli) positional(fs *flag.FlagSet, args []string) ([]string, error) {
 	var flags, pos []string
 	for i := 0; i < len(args); i++ {
 		a := args[i]
 		if strings.HasPrefix(a, "-") {
 			flags = append(flags, a)
-			if !strings.Contains(a, "=") && i+1 < len(args) && a != "-h" && a != "--help" {
+			// A flag's value follows it unless given with "=" or the flag is a boolean.
+			name := strings.TrimLeft(a, "-")
+			isBool := false
+			if f := fs.Lookup(name); f != nil {
+				if bf, ok := f.Value.(interface{ IsBoolFlag() bool }); ok && bf.IsBoolFlag() {
+					isBool = true
+				}
+			}
+			if !strings.Contains(a, "=") && !isBool && i+1 < len(args) && a != "-h" && a != "--help" {
 				flags = append(flags, args[i+1])
 				i++
 			}
@@ -330,13 +421,9 @@ func (c *cli) oneID(fs *flag.FlagSet, action string, args []string) (string, err
 		pos = append(pos, a)
 	}
 	if err := parse(fs, flags); err != nil {
-		return "", err
+		return nil, err
 	}
-	if len(pos) != 1 {
-		fmt.Fprintf(c.stderr, "onceflow saga %s: give exactly one saga id (see onceflow saga list)\n", action)
-		return "", errUsage
-	}
-	return pos[0], nil
+	return append(pos, fs.Args()...), nil
 }
 
 // plural is "1 attempt", "2 attempts".
