@@ -147,6 +147,8 @@ func (c *Console) routes() {
 	m.HandleFunc("GET /sagas/{id}", c.sagaPage)
 	m.HandleFunc("GET /sagas/{id}/{action}", c.sagaConfirm)
 	m.HandleFunc("POST /sagas/{id}/{action}", c.sagaAction)
+	m.HandleFunc("GET /bulk/sagas/{action}", c.bulkConfirm)
+	m.HandleFunc("POST /bulk/sagas/{action}", c.bulkAction)
 	m.HandleFunc("GET /outbox", c.outboxPage)
 	m.HandleFunc("GET /outbox/find", c.outboxFind)
 	m.HandleFunc("GET /outbox/parked", c.outboxParked)

@@ -48,7 +48,7 @@ func TestPages(t *testing.T) {
 		{"/ops/outbox/find?event_id=" + s.parkedEvent, []string{`id="where">Parked since`, "MESSAGE_TOO_LARGE"}},
 		{"/ops/outbox/find?event_id=0190b5a0-0000-7000-8000-000000000000", []string{"it was published"}},
 		{"/ops/outbox/parked", []string{s.parkedEvent, "MESSAGE_TOO_LARGE", "relay-a"[:0]}},
-		{"/ops/outbox/replay?topic=payments", []string{`<b>1</b> rows match`, "9001", "read-only"}},
+		{"/ops/outbox/replay?topic=payments", []string{`<b>1</b> match: 9001`, "9001", "read-only"}},
 		{"/ops/inbox", []string{"projection", "orders/0@42"}},
 		{"/ops/inbox?consumer=projection", []string{"orders/0@42"}},
 		{"/ops/inbox/" + strconv.FormatInt(s.poisonID, 10), []string{"orders/0@42", "k-1", "saga_id"}},
@@ -233,7 +233,7 @@ func TestReplayParkedAndDeletePoison(t *testing.T) {
 	srv, logs := newServer(t, db, true)
 	b := newBrowser(t, srv)
 	b.get("/ops/outbox/parked").expect(t, "parked", http.StatusOK, `id="replay-filter"`, "?all=1")
-	dry := b.get("/ops/outbox/replay?topic=payments").expect(t, "replay dry run", http.StatusOK, `id="count">Dry run: <b>1</b> rows match`, "9001", `name="topic" value="payments"`)
+	dry := b.get("/ops/outbox/replay?topic=payments").expect(t, "replay dry run", http.StatusOK, `id="count">Dry run: <b>1</b> match: 9001`, "9001", `name="topic" value="payments"`)
 	p := b.post("/ops/outbox/replay", url.Values{"csrf": {dry.csrf(t)}, "topic": {"payments"}})
 	if p.status != http.StatusSeeOther {
 		t.Fatalf("POST replay: %d\n%s", p.status, p.body)
@@ -395,5 +395,42 @@ func TestCompensatePastPivotRefused(t *testing.T) {
 		expect(t, "POST compensate past the pivot", http.StatusBadRequest, "on or after its pivot &#34;charge&#34;", "can only go forward")
 	if after := snapshot(t, db); after != before {
 		t.Errorf("a refused compensation changed the database:\nbefore %s\nafter  %s", before, after)
+	}
+}
+
+// Bulk actions over the filtered saga list show the dry run first (count and ids), refuse an
+// empty filter, then file one request per saga and report the ones refused.
+func TestBulkActions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	s := seed(t, db)
+	srv, logs := newServer(t, db, true)
+	b := newBrowser(t, srv)
+	b.get("/ops/sagas?state=stuck").expect(t, "stuck sagas", http.StatusOK, `id="bulk-retry" href="/ops/bulk/sagas/retry?state=stuck"`)
+	b.get("/ops/sagas").expect(t, "all sagas", http.StatusOK)
+	if p := b.get("/ops/sagas"); strings.Contains(p.body, "bulk-retry") {
+		t.Error("bulk actions offered without a filter")
+	}
+	b.get("/ops/bulk/sagas/retry").expect(t, "bulk without a filter", http.StatusBadRequest, "needs a filter")
+	b.get("/ops/bulk/sagas/retry?state=nope").expect(t, "bulk with a bad state", http.StatusBadRequest, "is not a saga state")
+	conf := b.get("/ops/bulk/sagas/retry?state=stuck").expect(t, "bulk dry run", http.StatusOK, `Dry run: <b>2</b> match`, s.stuck, "order-")
+	before := snapshot(t, db)
+	b.post("/ops/bulk/sagas/retry", url.Values{"csrf": {conf.csrf(t)}}).expect(t, "bulk POST without a filter", http.StatusBadRequest, "needs a filter")
+	if after := snapshot(t, db); after != before {
+		t.Fatalf("a refused bulk action changed the database")
+	}
+	b.post("/ops/bulk/sagas/retry", url.Values{"csrf": {conf.csrf(t)}, "state": {"stuck"}}).
+		expect(t, "bulk retry", http.StatusOK, `id="bulk-result">Retry: 2 of 2 sagas requested`)
+	var n int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Table("saga_timer")+` WHERE kind = 'operator' AND action = 'retry'`).Scan(&n); err != nil || n != 2 {
+		t.Fatalf("%d retry requests filed (%v), want 2", n, err)
+	}
+	// Compensate every checkout saga: only the running one applies; the others are refused,
+	// each with its reason.
+	b.post("/ops/bulk/sagas/compensate", url.Values{"csrf": {conf.csrf(t)}, "name": {"checkout"}}).
+		expect(t, "bulk compensate", http.StatusOK, "Compensate: 1 of 6 sagas requested", s.completed+": saga: the request does not apply")
+	if !strings.Contains(logs.String(), `action="saga bulk retry"`) || !strings.Contains(logs.String(), "requested=2") {
+		t.Errorf("action log:\n%s", logs.String())
 	}
 }

@@ -66,9 +66,18 @@ var sagaFilterNames = []string{"name", "version", "state", "step", "error", "id"
 
 // sagaFilter reads the saga list's filter from the query: every problem is a 400.
 func sagaFilter(r *http.Request) (saga.ListFilter, map[string]string, error) {
-	p, err := params(r, sagaFilterNames...)
-	if err != nil {
-		return saga.ListFilter{}, nil, err
+	return sagaFilterFrom(r.URL.Query().Get)
+}
+
+// sagaFilterFrom reads the saga list's filter from a query or a posted form.
+func sagaFilterFrom(get func(string) string) (saga.ListFilter, map[string]string, error) {
+	p := map[string]string{}
+	for _, n := range sagaFilterNames {
+		v := strings.TrimSpace(get(n))
+		if err := checkText(n, v); err != nil {
+			return saga.ListFilter{}, nil, err
+		}
+		p[n] = v
 	}
 	f := saga.ListFilter{Name: p["name"], State: saga.State(p["state"]), Step: p["step"], Error: p["error"], IDPrefix: p["id"], After: p["after"]}
 	if v := p["version"]; v != "" {
@@ -96,10 +105,13 @@ func sagaFilter(r *http.Request) (saga.ListFilter, map[string]string, error) {
 }
 
 type sagaListPage struct {
-	F      map[string]string
-	States []saga.State
-	Page   saga.Page
-	Next   string // URL of the next page, "" on the last
+	F        map[string]string
+	States   []saga.State
+	Page     saga.Page
+	Next     string // URL of the next page, "" on the last
+	// BulkRetry and BulkCompensate link to the bulk actions over the filter ("" when no
+	// filter is set: a bulk action never applies to every saga).
+	BulkRetry, BulkCompensate string
 }
 
 func (c *Console) sagaList(w http.ResponseWriter, r *http.Request) {
@@ -115,14 +127,20 @@ func (c *Console) sagaList(w http.ResponseWriter, r *http.Request) {
 	}
 	v := sagaListPage{F: p, Page: page,
 		States: []saga.State{saga.StateRunning, saga.StateCompensating, saga.StateStuck, saga.StateCompleted, saga.StateCompensated}}
-	if page.Next != "" {
-		q := url.Values{}
-		for _, n := range sagaFilterNames {
-			if p[n] != "" && n != "after" {
-				q.Set(n, p[n])
-			}
+	q := url.Values{}
+	for _, n := range sagaFilterNames {
+		if p[n] != "" && n != "after" && n != "limit" {
+			q.Set(n, p[n])
 		}
+	}
+	if len(q) > 0 {
+		v.BulkRetry, v.BulkCompensate = c.link("/bulk/sagas/retry")+"?"+q.Encode(), c.link("/bulk/sagas/compensate")+"?"+q.Encode()
+	}
+	if page.Next != "" {
 		q.Set("after", page.Next)
+		if p["limit"] != "" {
+			q.Set("limit", p["limit"])
+		}
 		v.Next = c.link("/sagas") + "?" + q.Encode()
 	}
 	c.render(w, r, http.StatusOK, "sagas", v)
@@ -227,7 +245,8 @@ type confirmData struct {
 	Hidden  map[string]string
 	Count   int64
 	IDs     []string
-	More    bool
+	More    bool // Count is capped: more match
+	Takes   bool // the action takes only IDs, though more match
 }
 
 func (c *Console) sagaConfirm(w http.ResponseWriter, r *http.Request) {
@@ -282,6 +301,97 @@ func (c *Console) sagaAction(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	http.Redirect(w, r, c.link("/sagas/"+url.PathEscape(id))+"?requested="+action, http.StatusSeeOther)
+}
+
+// bulkLimit is how many sagas one bulk action acts on; the page says when more match.
+const bulkLimit = 100
+
+type bulkData struct {
+	Title    string
+	Action   string
+	Result   saga.BulkResult
+	Refusals []string
+	Back     string
+}
+
+// bulkFilter reads a bulk action's filter; an empty filter is refused, so no click acts on
+// every saga of the schema.
+func bulkFilter(get func(string) string) (saga.ListFilter, map[string]string, error) {
+	f, p, err := sagaFilterFrom(get)
+	if err != nil {
+		return f, p, err
+	}
+	f.After, f.Limit, p["after"], p["limit"] = "", 0, "", ""
+	if f == (saga.ListFilter{}) {
+		return f, p, badInput("a bulk action needs a filter (a state, a definition, ...): it never applies to every saga")
+	}
+	return f, p, nil
+}
+
+func (c *Console) bulkConfirm(w http.ResponseWriter, r *http.Request) {
+	action := r.PathValue("action")
+	act, ok := sagaActions[action]
+	if !ok {
+		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+		return
+	}
+	f, p, err := bulkFilter(r.URL.Query().Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	res, err := c.bulk(r, action, f, true)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := confirmData{Title: act.title + " the selected sagas", Action: c.link("/bulk/sagas/" + action), Back: c.link("/sagas") + "?" + r.URL.RawQuery,
+		Effect: act.title + " " + act.effect + " It is filed for each selected saga in its own transaction; a saga it does not apply to is reported and left alone.",
+		Hidden: p, Count: int64(len(res.Matched)), IDs: res.Matched, More: res.More, Takes: res.More}
+	if len(res.Matched) == 0 {
+		v.Refusal = "No saga matches this filter: there is nothing to " + action + "."
+	}
+	c.render(w, r, http.StatusOK, "confirm", v)
+}
+
+func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	action := r.PathValue("action")
+	act, ok := sagaActions[action]
+	if !ok {
+		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+		return
+	}
+	f, p, err := bulkFilter(r.PostForm.Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	res, err := c.bulk(r, action, f, false)
+	c.logAction(r, "saga bulk "+action, err, "filter", p, "requested", len(res.Requested), "refused", len(res.Refused), "saga_ids", res.Requested)
+	if err != nil && len(res.Requested) == 0 {
+		c.failErr(w, r, err)
+		return
+	}
+	v := bulkData{Title: act.title + ": " + strconv.Itoa(len(res.Requested)) + " of " + strconv.Itoa(len(res.Matched)) + " sagas requested",
+		Action: action, Result: res, Back: c.link("/sagas") + query("state", p["state"], "name", p["name"])}
+	for _, rf := range res.Refused {
+		v.Refusals = append(v.Refusals, rf.ID+": "+rf.Err.Error())
+	}
+	if err != nil {
+		v.Refusals = append(v.Refusals, "stopped: the database failed; the service's log has the error")
+	}
+	c.render(w, r, http.StatusOK, "bulk", v)
+}
+
+func (c *Console) bulk(r *http.Request, action string, f saga.ListFilter, dry bool) (saga.BulkResult, error) {
+	o := saga.BulkOptions{DryRun: dry, Limit: bulkLimit}
+	if action == "retry" {
+		return c.sagas.RetryMatching(r.Context(), c.cfg.DB, f, o)
+	}
+	return c.sagas.CompensateMatching(r.Context(), c.cfg.DB, f, o)
 }
 
 // logAction writes the action log line: who (the authenticated name), what, on what, and how
