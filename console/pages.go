@@ -105,10 +105,10 @@ func sagaFilterFrom(get func(string) string) (saga.ListFilter, map[string]string
 }
 
 type sagaListPage struct {
-	F        map[string]string
-	States   []saga.State
-	Page     saga.Page
-	Next     string // URL of the next page, "" on the last
+	F      map[string]string
+	States []saga.State
+	Page   saga.Page
+	Next   string // URL of the next page, "" on the last
 	// BulkRetry and BulkCompensate link to the bulk actions over the filter ("" when no
 	// filter is set: a bulk action never applies to every saga).
 	BulkRetry, BulkCompensate string
