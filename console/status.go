@@ -135,8 +135,9 @@ const MaxSagasOverAge = 1000
 
 // ReadStatus reads everything with queries whose cost does not grow with the backlog: the
 // outbox through relay.Admin.Backlog, retention backlogs as counts capped just above the
-// threshold (on the age indexes), sagas by state on saga_state_idx without the finished
-// states (which retention keeps by the million).
+// threshold (on the age indexes), sagas by state on saga_state_created_idx (an index-only
+// scan) for the unfinished states only: retention keeps finished ones by the million, and
+// "state NOT IN (finished)" read every one of them (1.5 s at 1M sagas).
 func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*Status, error) {
 	admin, err := relay.NewAdmin(schema)
 	if err != nil {
@@ -188,7 +189,7 @@ func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*St
 	}
 
 	rows, err = pool.Query(ctx, `SELECT name, state, count(*), extract(epoch FROM now() - min(created_at))::float8 FROM `+t("saga")+`
-		WHERE state NOT IN ('completed', 'compensated') GROUP BY name, state ORDER BY name, state`)
+		WHERE state IN ('running', 'compensating', 'stuck') GROUP BY name, state ORDER BY name, state`)
 	if err != nil {
 		return nil, fmt.Errorf("count sagas of schema %q: %w", schema, err)
 	}

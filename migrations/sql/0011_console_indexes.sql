@@ -7,5 +7,7 @@
 -- (saga_state_idx), so a transition that was a HOT update stays one; each index costs one
 -- b-tree insert per started saga.
 CREATE INDEX IF NOT EXISTS saga_created_idx ON {{schema}}.saga (created_at, id);
--- The same order within one state (saga list --state stuck, the console's state filter).
-CREATE INDEX IF NOT EXISTS saga_state_created_idx ON {{schema}}.saga (state, created_at, id);
+-- The same order within one state (saga list --state stuck, the console's state filter); with
+-- name, so `onceflow status` counts the unfinished sagas per definition and state, with the
+-- oldest, by an index-only scan of those states alone.
+CREATE INDEX IF NOT EXISTS saga_state_created_idx ON {{schema}}.saga (state, created_at, id) INCLUDE (name);
