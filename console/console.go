@@ -155,6 +155,8 @@ func (c *Console) routes() {
 	m.HandleFunc("GET /outbox/replay", c.outboxReplayConfirm)
 	m.HandleFunc("POST /outbox/replay", c.outboxReplay)
 	m.HandleFunc("GET /inbox", c.inboxPage)
+	m.HandleFunc("GET /inbox/delete", c.poisonBulkConfirm)
+	m.HandleFunc("POST /inbox/delete", c.poisonBulkDelete)
 	m.HandleFunc("GET /inbox/{id}", c.poisonPage)
 	m.HandleFunc("GET /inbox/{id}/delete", c.poisonDeleteConfirm)
 	m.HandleFunc("POST /inbox/{id}/delete", c.poisonDelete)

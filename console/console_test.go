@@ -434,3 +434,33 @@ func TestBulkActions(t *testing.T) {
 		t.Errorf("action log:\n%s", logs.String())
 	}
 }
+
+// Poison rows are deleted by filter (a consumer, and text of the error) after a dry-run count;
+// rows outside the filter stay, and a filter without a consumer is refused.
+func TestDeletePoisonByFilter(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	seed(t, db)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("inbox_poison")+` (consumer, message_uuid, payload, attempts, error)
+		VALUES ('projection', 'a', 'x', 5, 'read TIMEOUT'), ('projection', 'b', 'x', 5, 'timeout again'), ('billing', 'c', 'x', 5, 'timeout')`); err != nil {
+		t.Fatal(err)
+	}
+	srv, logs := newServer(t, db, true)
+	b := newBrowser(t, srv)
+	b.get("/ops/inbox?consumer=projection").expect(t, "poison of a consumer", http.StatusOK, `id="delete-filter" href="/ops/inbox/delete?consumer=projection"`)
+	b.get("/ops/inbox/delete").expect(t, "bulk delete without a consumer", http.StatusBadRequest, "choose the consumer")
+	conf := b.get("/ops/inbox/delete?consumer=projection&error=timeout").expect(t, "dry run", http.StatusOK, "Dry run: <b>2</b> match")
+	b.post("/ops/inbox/delete", url.Values{"csrf": {conf.csrf(t)}, "consumer": {"projection"}, "error": {"timeout"}}).expect(t, "bulk delete", http.StatusSeeOther)
+	var left string
+	if err := db.Pool.QueryRow(ctx, `SELECT string_agg(consumer || ':' || error, ',' ORDER BY id) FROM `+db.Table("inbox_poison")).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Count(left, ",") != 1 || strings.Contains(left, "projection:read") || !strings.Contains(left, "billing:timeout") {
+		t.Errorf("rows left after the bulk delete: %s", left)
+	}
+	b.post("/ops/inbox/delete", url.Values{"csrf": {conf.csrf(t)}, "consumer": {"projection"}, "error": {"timeout"}}).expect(t, "second bulk delete", http.StatusBadRequest, "nothing was deleted")
+	if !strings.Contains(logs.String(), "deleted=2") {
+		t.Errorf("action log:\n%s", logs.String())
+	}
+}

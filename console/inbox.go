@@ -28,10 +28,11 @@ type poisonRow struct {
 }
 
 type inboxData struct {
-	Consumer string
-	Rows     []poisonRow
-	Next     string
-	Deleted  bool
+	Consumer  string
+	Rows      []poisonRow
+	Next      string
+	Deleted   bool
+	DeleteAll string // the bulk delete's confirmation for Consumer
 }
 
 // poisonPageSize is one page of the poison list, newest first, keyset-paginated on id.
@@ -63,7 +64,7 @@ func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	v := inboxData{Consumer: consumer, Rows: list, Deleted: r.URL.Query().Get("deleted") == "1"}
+	v := inboxData{Consumer: consumer, Rows: list, Deleted: r.URL.Query().Get("deleted") == "1", DeleteAll: c.link("/inbox/delete") + query("consumer", consumer)}
 	if len(list) == poisonPageSize {
 		v.Next = c.link("/inbox") + query("consumer", consumer, "before", strconv.FormatInt(list[len(list)-1].ID, 10))
 	}
@@ -151,6 +152,80 @@ func (c *Console) poisonDelete(w http.ResponseWriter, r *http.Request) {
 		err = badInput("there is no poison row %d (deleted already?); nothing was deleted", id)
 	}
 	c.logAction(r, "inbox poison delete", err, "poison_id", id, "consumer", consumer)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	http.Redirect(w, r, c.link("/inbox")+query("consumer", consumer, "deleted", "1"), http.StatusSeeOther)
+}
+
+// poisonFilter reads a bulk delete's filter: a consumer (required: a click never deletes every
+// consumer's rows) and, optionally, text the error contains.
+func poisonFilter(get func(string) string) (consumer, errText string, err error) {
+	consumer, errText = strings.TrimSpace(get("consumer")), strings.TrimSpace(get("error"))
+	if err := checkText("consumer", consumer); err != nil {
+		return "", "", err
+	}
+	if err := checkText("error", errText); err != nil {
+		return "", "", err
+	}
+	if consumer == "" {
+		return "", "", badInput("choose the consumer whose poison rows to delete")
+	}
+	return consumer, errText, nil
+}
+
+// poisonWhere selects a consumer's poison rows whose error contains $2 ('' = any), on
+// inbox_poison_consumer_idx.
+const poisonWhere = ` WHERE consumer = $1 AND ($2 = '' OR strpos(lower(error), lower($2)) > 0)`
+
+// poisonBulkCap bounds one bulk delete (and its dry-run count): poison rows are few, and a
+// larger cleanup is several clicks, each logged.
+const poisonBulkCap = 10_000
+
+func (c *Console) poisonBulkConfirm(w http.ResponseWriter, r *http.Request) {
+	consumer, errText, err := poisonFilter(r.URL.Query().Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	var n int64
+	var first []int64
+	if err := c.cfg.DB.QueryRow(r.Context(), `SELECT count(*), (array_agg(id ORDER BY id))[1:20] FROM (SELECT id FROM `+
+		pgsql.Table(c.cfg.Schema, "inbox_poison")+poisonWhere+` ORDER BY id LIMIT $3) s`, consumer, errText, poisonBulkCap).Scan(&n, &first); err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := confirmData{Title: "Delete poison rows of consumer " + consumer, Action: c.link("/inbox/delete"), Back: c.link("/inbox") + query("consumer", consumer),
+		Effect: "Delete removes the selected rows from inbox_poison once their messages are handled. Their dedup rows stay, " +
+			"so redeliveries are still skipped; nothing is re-applied.",
+		Hidden: map[string]string{"consumer": consumer, "error": errText}, Count: n, More: n >= poisonBulkCap, Takes: n >= poisonBulkCap}
+	for _, id := range first {
+		v.IDs = append(v.IDs, strconv.FormatInt(id, 10))
+	}
+	if n == 0 {
+		v.Refusal = "No poison row matches: there is nothing to delete."
+	}
+	c.render(w, r, http.StatusOK, "confirm", v)
+}
+
+func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	consumer, errText, err := poisonFilter(r.PostForm.Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	table := pgsql.Table(c.cfg.Schema, "inbox_poison")
+	tag, err := c.cfg.DB.Exec(r.Context(), `DELETE FROM `+table+` WHERE id IN (SELECT id FROM `+table+poisonWhere+` ORDER BY id LIMIT $3)`,
+		consumer, errText, poisonBulkCap)
+	n := tag.RowsAffected()
+	if err == nil && n == 0 {
+		err = badInput("no poison row of consumer %q matches; nothing was deleted", consumer)
+	}
+	c.logAction(r, "inbox poison delete", err, "consumer", consumer, "error_contains", errText, "deleted", n)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
