@@ -175,7 +175,7 @@ func poisonFilter(get func(string) string) (consumer, errText string, err error)
 	return consumer, errText, nil
 }
 
-// poisonWhere selects a consumer's poison rows whose error contains $2 ('' = any), on
+// poisonWhere selects a consumer's poison rows whose error contains $2 (” = any), on
 // inbox_poison_consumer_idx.
 const poisonWhere = ` WHERE consumer = $1 AND ($2 = '' OR strpos(lower(error), lower($2)) > 0)`
 
