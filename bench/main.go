@@ -103,6 +103,7 @@ var scenarios = []scenario{
 	{"saga", benchSaga},
 	{"saga_local", benchSagaLocal},
 	{"stats", benchStats},
+	{"console", benchConsole},
 	{"tracing", benchTracing},
 }
 
