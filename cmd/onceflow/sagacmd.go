@@ -324,7 +324,13 @@ func (c *cli) sagaRequest(ctx context.Context, action string, args []string) err
 		if err != nil {
 			return err
 		}
-		_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out (watch it with: onceflow saga show %s)\n", action, id, id)
+		caveat := ""
+		if action == "compensate" {
+			// The CLI has no definitions, so it cannot refuse a saga past its pivot up front
+			// (saga.NewAdmin with the definitions does): say what happens then.
+			caveat = "; if the saga is past its pivot, the orchestrator drops the request and the saga goes on"
+		}
+		_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out%s (watch it with: onceflow saga show %s)\n", action, id, caveat, id)
 		return err
 	}
 	f, err := sf.filter(c, "saga "+action)
