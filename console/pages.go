@@ -173,6 +173,7 @@ type sagaPageData struct {
 	CanRetry  bool
 	CanComp   bool
 	PastPivot bool // on or past its pivot: it can only go forward
+	Barriers  []saga.Barrier
 }
 
 func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
@@ -187,6 +188,10 @@ func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	v := sagaPageData{D: d, Timeline: timeline(d), CanRetry: d.State == saga.StateStuck, CanComp: d.State == saga.StateRunning}
+	if v.Barriers, err = c.sagas.Barriers(r.Context(), c.cfg.DB, d); err != nil {
+		c.failErr(w, r, err)
+		return
+	}
 	if past, _ := c.sagas.PastPivot(d); past {
 		v.CanComp, v.PastPivot = false, true
 	}

@@ -114,6 +114,16 @@ func seed(t testing.TB, db *testdb.DB) seeded {
 		VALUES ('orders-api', 'key-1', '\x0102', 201, '{"Content-Type": ["application/json"]}', '{"order":"o-1"}', now() + interval '1 day')`); err != nil {
 		t.Fatal(err)
 	}
+	// Barrier rows: the stuck saga's reserve action ran at the inventory participant; the
+	// compensating saga's compensation came first at payments (a null compensation). Other
+	// consumers' rows around them.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("processed_event")+` (consumer, dedup_key, result) VALUES
+		('inventory', 'saga-barrier:"'||$1||'":"reserve":action', '{"reserved":2}'),
+		('payments', 'saga-barrier:"'||$2||'":"charge":action', NULL),
+		('payments', 'saga-barrier:"'||$2||'":"charge":compensation', NULL),
+		('audit', 'event:1', NULL), ('zz-last', 'event:2', NULL)`, s.stuck, s.compensating); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("relay_member")+` (id, host, pid, expires_at) VALUES ('relay-a', 'host-a', 42, now() + interval '1 minute')`); err != nil {
 		t.Fatal(err)
 	}

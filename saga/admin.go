@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
 )
 
 // DB runs the admin queries: a *pgxpool.Pool, *pgx.Conn or pgx.Tx.
@@ -475,4 +476,66 @@ func (a *Admin) bulk(ctx context.Context, db TxDB, f ListFilter, o BulkOptions, 
 		}
 	}
 	return res, nil
+}
+
+// Barrier is a participant's barrier row for a step of a saga: the record, in the
+// participant consumer's processed_event, that the step's action or compensation was
+// decided there (see the barrier in docs/sagas.md).
+type Barrier struct {
+	Consumer string
+	Step     string
+	Phase    outbox.SagaPhase
+	At       time.Time
+	// Result is set when the action's row holds its result: the action ran and took effect.
+	// An action row without one was written by the compensation that came first (a null
+	// compensation: the action never ran, and a late one is skipped) — or by an action
+	// under an onceflow older than migration 0009, which kept no results.
+	Result bool
+}
+
+// maxBarrierConsumers bounds the consumers Barriers visits, so a schema with very many
+// inbox consumers cannot make a saga's page slow.
+const maxBarrierConsumers = 200
+
+// Barriers returns the barrier rows of the saga's steps in every consumer of the schema's
+// processed_event. It reads the table by its primary key only: the distinct consumers by a
+// loose index scan (one index descent each, at most maxBarrierConsumers), then each
+// consumer's rows of exactly this saga's keys; its cost does not grow with the table.
+func (a *Admin) Barriers(ctx context.Context, db DB, d *Detail) ([]Barrier, error) {
+	type key struct {
+		step  string
+		phase outbox.SagaPhase
+	}
+	keys := map[string]key{}
+	var list []string
+	for _, s := range d.Steps {
+		for _, ph := range []outbox.SagaPhase{outbox.SagaPhaseAction, outbox.SagaPhaseCompensation} {
+			k := barrierKey(d.ID, s.Name, ph)
+			keys[k] = key{s.Name, ph}
+			list = append(list, k)
+		}
+	}
+	pe := pgsql.Table(a.st.schema, "processed_event")
+	rows, err := db.Query(ctx, `WITH RECURSIVE c (consumer, n) AS (
+			(SELECT consumer, 1 FROM `+pe+` ORDER BY consumer LIMIT 1)
+			UNION ALL
+			SELECT (SELECT p.consumer FROM `+pe+` p WHERE p.consumer > c.consumer ORDER BY p.consumer LIMIT 1), c.n + 1
+			FROM c WHERE c.consumer IS NOT NULL AND c.n < $2)
+		SELECT p.consumer, p.dedup_key, p.processed_at, p.result IS NOT NULL
+		FROM c JOIN `+pe+` p ON p.consumer = c.consumer AND p.dedup_key = ANY($1::text[])
+		ORDER BY p.processed_at, p.consumer`, list, maxBarrierConsumers)
+	if err != nil {
+		return nil, fmt.Errorf("saga: barrier rows of %q: %w", d.ID, a.st.explain(err))
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Barrier, error) {
+		var b Barrier
+		var k string
+		err := r.Scan(&b.Consumer, &k, &b.At, &b.Result)
+		b.Step, b.Phase = keys[k].step, keys[k].phase
+		return b, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("saga: barrier rows of %q: %w", d.ID, a.st.explain(err))
+	}
+	return out, nil
 }
