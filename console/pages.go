@@ -489,7 +489,6 @@ func (c *Console) outboxFind(w http.ResponseWriter, r *http.Request) {
 	}
 	if len(found) > 0 {
 		v.Where, v.Row = "pending", found[0]
-		// Rows carry metadata as JSON; RowToStructByPos decoded it into the map.
 	} else {
 		parked, err := c.relay.Parked(ctx, c.cfg.DB, relay.ParkedFilter{EventIDs: []string{id}, Limit: 1})
 		if err != nil {
