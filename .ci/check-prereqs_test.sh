@@ -40,17 +40,23 @@ expect() {
   fi
 }
 
-tools go initdb pg_ctl redis-server
+tools go initdb pg_ctl redis-server chromium
 if [ "$(id -u)" -eq 0 ] && ! id postgres >/dev/null 2>&1; then
   expect 1 1 "root without a postgres user"
 else
   expect 0 0 "everything installed"
 fi
 
-tools go initdb pg_ctl
+tools go initdb pg_ctl chromium
 expect 1 1 "no redis-server"
 
-tools go redis-server
+tools go initdb pg_ctl redis-server
+expect 1 1 "no chromium"
+
+tools go initdb pg_ctl redis-server chromium-browser
+expect 0 0 "chromium-browser instead of chromium"
+
+tools go redis-server chromium
 expect 1 2 "no PostgreSQL: one line each for initdb and pg_ctl"
 DB=postgres://x/y expect 0 0 "no PostgreSQL binaries but DATABASE_URL set"
 
@@ -58,14 +64,14 @@ mkdir -p "$tmp/nopg/15/bin" && printf '#!%s\n' "$bash_bin" >"$tmp/nopg/15/bin/in
 expect 0 0 "PostgreSQL in the Debian library folder, not on PATH"
 rm -rf "$tmp/nopg"
 
-tools initdb pg_ctl redis-server
+tools initdb pg_ctl redis-server chromium
 expect 1 1 "no go"
 
-GOV=go1.25.3 tools go initdb pg_ctl redis-server
+GOV=go1.25.3 tools go initdb pg_ctl redis-server chromium
 expect 1 1 "go too old"
 
 tools
-expect 1 4 "nothing installed"
+expect 1 5 "nothing installed"
 
 if [ "$failures" -gt 0 ]; then
   echo "check-prereqs_test: $failures failed"

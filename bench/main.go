@@ -104,6 +104,7 @@ var scenarios = []scenario{
 	{"saga_local", benchSagaLocal},
 	{"saga_hot", benchSagaHot},
 	{"stats", benchStats},
+	{"console", benchConsole},
 	{"tracing", benchTracing},
 }
 

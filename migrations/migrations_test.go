@@ -46,7 +46,8 @@ func TestUpTwiceIsNoop(t *testing.T) {
 			t.Fatalf("step %d pending after Up", s.Version)
 		}
 	}
-	for _, table := range []string{"outbox", "processed_event", "idempotency_record"} {
+	// Step 0011: the saga list's keyset indexes.
+	for _, table := range []string{"outbox", "processed_event", "idempotency_record", "saga_created_idx", "saga_state_created_idx"} {
 		var ok bool
 		if err := db.Pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", db.Schema+"."+table).Scan(&ok); err != nil || !ok {
 			t.Fatalf("table %s missing (err %v)", table, err)

@@ -64,16 +64,25 @@ type ParkedRow struct {
 
 // Summary is the state of the outbox and of the relays.
 type Summary struct {
-	Pending   int64     // rows waiting
-	Failing   int64     // of which the broker refused at least once (attempts > 0)
-	Oldest    time.Time // creation time of the oldest waiting row; zero when none
-	Parked    int64     // rows in outbox_parked
+	// Pending rows waiting: exact when PendingExact, else an estimate (see Backlog.Rows).
+	Pending      int64
+	PendingExact bool
+	// Failing counts the rows the broker refused at least once (attempts > 0) among the
+	// oldest SummarySample waiting rows, where refused rows stay.
+	Failing int64
+	Oldest  time.Time // creation time of the oldest waiting row; zero when none
+	Parked  int64     // rows in outbox_parked, counted up to ExactBacklogRows
+	// PerTopic counts the oldest SummarySample waiting rows by topic, most first (at most 50).
 	PerTopic  []TopicCount
 	Shards    int // shard count of the lease table (0 before the first relay started)
 	Leases    []OwnerLeases
 	Members   []Member
 	CheckedAt time.Time // database clock
 }
+
+// SummarySample is how many of the oldest waiting rows Summary reads for Failing and
+// PerTopic: from the head of the primary key, so a summary costs the same at any backlog.
+const SummarySample = 10_000
 
 // TopicCount is the number of waiting rows of one topic.
 type TopicCount struct {
@@ -99,19 +108,23 @@ type Member struct {
 	Live        bool
 }
 
-// Summary reads the counts, the leases and the relay members.
+// Summary reads the backlog (Backlog: no count of the whole table), the failing rows and
+// topics of the oldest SummarySample rows, the leases and the relay members.
 func (a *Admin) Summary(ctx context.Context, db DB) (Summary, error) {
 	var s Summary
-	var oldest *time.Time
-	err := db.QueryRow(ctx, `SELECT now(), count(*), count(*) FILTER (WHERE attempts > 0), min(created_at), (SELECT count(*) FROM `+a.q.parked+`) FROM `+a.q.outbox).
-		Scan(&s.CheckedAt, &s.Pending, &s.Failing, &oldest, &s.Parked)
+	b, err := a.Backlog(ctx, db)
 	if err != nil {
-		return s, a.wrap("read outbox summary", err)
+		return s, err
 	}
-	if oldest != nil {
-		s.Oldest = *oldest
+	s.CheckedAt, s.Pending, s.PendingExact, s.Parked = b.CheckedAt, b.Rows, b.Exact, b.Parked
+	if b.OldestID > 0 {
+		s.Oldest = b.Oldest
 	}
-	rows, err := db.Query(ctx, `SELECT topic, count(*) FROM `+a.q.outbox+` GROUP BY topic ORDER BY count(*) DESC, topic LIMIT 50`)
+	head := `(SELECT topic, attempts FROM ` + a.q.outbox + ` ORDER BY id LIMIT ` + strconv.Itoa(SummarySample) + `) h`
+	if err := db.QueryRow(ctx, `SELECT count(*) FILTER (WHERE attempts > 0) FROM `+head).Scan(&s.Failing); err != nil {
+		return s, a.wrap("count failing rows", err)
+	}
+	rows, err := db.Query(ctx, `SELECT topic, count(*) FROM `+head+` GROUP BY topic ORDER BY count(*) DESC, topic LIMIT 50`)
 	if err != nil {
 		return s, a.wrap("count rows per topic", err)
 	}
@@ -161,7 +174,7 @@ func (a *Admin) Pending(ctx context.Context, db DB, f PendingFilter) ([]Row, err
 	if f.Failing {
 		w.add("attempts > 0")
 	}
-	limit := f.Limit
+	limit := min(f.Limit, MaxListLimit)
 	if limit <= 0 {
 		limit = 100
 	}
@@ -188,9 +201,15 @@ type ParkedFilter struct {
 	// All selects every parked row. ReplayTx requires it when no other filter is set, so an
 	// empty filter never moves everything by accident.
 	All bool
-	// Limit caps Parked's listing (default 100); ReplayTx ignores it.
+	// AfterID continues Parked's listing after the row with this id (the last one of the
+	// previous page); ReplayTx and CountParked ignore it.
+	AfterID int64
+	// Limit caps Parked's listing (default 100, at most MaxListLimit); ReplayTx ignores it.
 	Limit int
 }
+
+// MaxListLimit caps one page of Pending and Parked, so one call never reads a whole table.
+const MaxListLimit = 1000
 
 func (f ParkedFilter) empty() bool {
 	return len(f.IDs) == 0 && len(f.EventIDs) == 0 && f.Topic == "" && f.Key == ""
@@ -228,7 +247,10 @@ func (a *Admin) Parked(ctx context.Context, db DB, f ParkedFilter) ([]ParkedRow,
 	if err != nil {
 		return nil, err
 	}
-	limit := f.Limit
+	if f.AfterID > 0 {
+		w.add("id > " + w.arg(f.AfterID))
+	}
+	limit := min(f.Limit, MaxListLimit)
 	if limit <= 0 {
 		limit = 100
 	}
@@ -253,6 +275,54 @@ func (a *Admin) Parked(ctx context.Context, db DB, f ParkedFilter) ([]ParkedRow,
 	return out, nil
 }
 
+// CountParked counts the parked rows f selects, up to max (it stops counting there, so a
+// dry run costs the same with a million parked rows), and returns the ids of the first
+// (oldest) of them, at most ids. An empty filter without All counts nothing: ReplayTx would
+// refuse it.
+func (a *Admin) CountParked(ctx context.Context, db DB, f ParkedFilter, max, ids int) (int64, []int64, error) {
+	if f.empty() && !f.All {
+		return 0, nil, ErrEmptyReplayFilter
+	}
+	w, err := f.where()
+	if err != nil {
+		return 0, nil, err
+	}
+	sql := `SELECT count(*), (array_agg(id ORDER BY id))[1:` + w.arg(ids) + `] FROM (SELECT id FROM ` + a.q.parked + w.sql() +
+		` ORDER BY id LIMIT ` + w.arg(max) + `) s`
+	var n int64
+	var first []int64
+	if err := db.QueryRow(ctx, sql, w.args...).Scan(&n, &first); err != nil {
+		return 0, nil, a.wrap("count parked rows", err)
+	}
+	return n, first, nil
+}
+
+// KeyBacklog is what waits for one topic and partition key.
+type KeyBacklog struct {
+	Topic    string
+	Key      string
+	Rows     int64
+	Oldest   time.Time // creation time of its oldest waiting row
+	Attempts int       // the most failed publish attempts of any of its rows
+}
+
+// PendingByKey groups the oldest sample waiting rows by topic and key, oldest first, at most
+// limit groups. It reads sample rows from the head of the primary key, not the table: the
+// cost is flat at any backlog, and the head is where a stuck key shows.
+func (a *Admin) PendingByKey(ctx context.Context, db DB, sample, limit int) ([]KeyBacklog, error) {
+	rows, err := db.Query(ctx, `SELECT topic, partition_key, count(*), min(created_at), max(attempts)
+		FROM (SELECT topic, partition_key, created_at, attempts FROM `+a.q.outbox+` ORDER BY id LIMIT $1) s
+		GROUP BY topic, partition_key ORDER BY min(created_at), topic, partition_key LIMIT $2`, sample, limit)
+	if err != nil {
+		return nil, a.wrap("group pending rows by key", err)
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[KeyBacklog])
+	if err != nil {
+		return nil, a.wrap("group pending rows by key", err)
+	}
+	return out, nil
+}
+
 // Replayed is a parked row moved back into the outbox.
 type Replayed struct {
 	EventID string // unchanged: consumers see the same message id as before
@@ -264,7 +334,9 @@ var ErrEmptyReplayFilter = errors.New("relay: replay needs a filter (ids, event 
 
 // ReplayTx moves the selected parked rows back into the outbox as part of tx, in their
 // original order, with their original event id, payload, metadata and key, and a fresh
-// attempt count. They get new outbox ids, so they are published after the rows already
+// attempt count. Their created_at is the replay's time: the age `onceflow status` checks is
+// how long a row has waited for the relay since it was last handed to it, so a replayed row
+// is not reported stuck for the time it spent parked. They get new outbox ids, so they are published after the rows already
 // waiting: a replayed row arrives after later events of its key (parking already broke that
 // key's order). The relays are woken when tx commits.
 func (a *Admin) ReplayTx(ctx context.Context, tx pgx.Tx, f ParkedFilter) ([]Replayed, error) {
@@ -277,7 +349,7 @@ func (a *Admin) ReplayTx(ctx context.Context, tx pgx.Tx, f ParkedFilter) ([]Repl
 	}
 	rows, err := tx.Query(ctx, `WITH moved AS (DELETE FROM `+a.q.parked+w.sql()+` RETURNING *)
 		INSERT INTO `+a.q.outbox+` (event_id, topic, partition_key, key_hash, payload, metadata, created_at)
-		SELECT event_id, topic, partition_key, key_hash, payload, metadata, created_at FROM moved ORDER BY id
+		SELECT event_id, topic, partition_key, key_hash, payload, metadata, now() FROM moved ORDER BY id
 		RETURNING event_id::text, id`, w.args...)
 	if err != nil {
 		return nil, a.wrap("replay parked rows", err)

@@ -2,15 +2,18 @@ package saga
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/outbox"
 )
 
 // DB runs the admin queries: a *pgxpool.Pool, *pgx.Conn or pgx.Tx.
@@ -21,20 +24,44 @@ type DB interface {
 
 // Admin reads sagas and files operator requests, for `onceflow saga` and health pages. It
 // needs no definition: requests (RetryTx, CompensateTx) are carried out by an orchestrator
-// that has the saga's definition, through the timer table, within its TimerInterval.
+// that has the saga's definition, through the timer table, within its TimerInterval. Given
+// the definitions (NewAdmin's defs), it refuses up front what the orchestrator would drop:
+// a compensation past a saga's pivot.
 type Admin struct {
-	st store
+	st   store
+	defs map[knownKey]Known
 }
 
-// NewAdmin returns an Admin for the saga tables of schema ("" = "onceflow").
-func NewAdmin(schema string) (*Admin, error) {
+type knownKey struct {
+	name    string
+	version int
+}
+
+// Known is a saga definition an Admin may be given: any *Definition[D].
+type Known interface {
+	Name() string
+	Version() int
+	pivotIndex() int
+}
+
+// NewAdmin returns an Admin for the saga tables of schema ("" = "onceflow"). defs are the
+// definitions the service runs, if the caller has them (a console mounted in the service):
+// with a saga's definition known, CompensateTx refuses a saga past its pivot.
+func NewAdmin(schema string, defs ...Known) (*Admin, error) {
 	if schema == "" {
 		schema = pgsql.DefaultSchema
 	}
 	if err := pgsql.ValidateSchema(schema); err != nil {
 		return nil, fmt.Errorf("saga: %w", err)
 	}
-	return &Admin{st: newStore(schema)}, nil
+	a := &Admin{st: newStore(schema), defs: map[knownKey]Known{}}
+	for _, d := range defs {
+		if d == nil {
+			return nil, errors.New("saga: NewAdmin: a nil definition")
+		}
+		a.defs[knownKey{d.Name(), d.Version()}] = d
+	}
+	return a, nil
 }
 
 // Summary is one saga in a list.
@@ -61,6 +88,9 @@ type Detail struct {
 	// CheckedAt is the database's clock when the saga was read: compare Wait.Since and the
 	// timers with it, not with the local clock.
 	CheckedAt time.Time
+	// TraceParent is the W3C traceparent of the caller of StartTx ("" when it had none):
+	// its trace id finds the saga's spans in a tracing backend.
+	TraceParent string
 }
 
 // Timer is a pending timer of a saga.
@@ -71,59 +101,161 @@ type Timer struct {
 	Due    time.Time
 }
 
-// ListFilter selects sagas; zero fields match everything.
+// ListFilter selects sagas; zero fields match everything. Filters combine with AND.
 type ListFilter struct {
-	State State
-	Name  string
-	Limit int // default 100
+	State   State
+	Name    string // definition name
+	Version int    // definition version; 0: any
+	// Step is the name of the current step (being run or compensated; the last one when
+	// finished).
+	Step string
+	// Error matches sagas whose error contains this text, ignoring case.
+	Error string
+	// IDPrefix matches sagas whose id starts with it.
+	IDPrefix string
+	// StartedBefore matches sagas started before this time (to list those older than an age).
+	StartedBefore time.Time
+	// After continues a listing after the last saga of a page: the Page.Next it returned.
+	After string
+	// Limit is the page size: default 100, at most MaxListLimit.
+	Limit int
 }
 
-// List returns sagas matching f, newest first.
+// MaxListLimit caps a page of List and ListPage, so one call never reads a million rows.
+const MaxListLimit = 1000
+
+// ErrBadFilter is returned for a ListFilter that cannot select anything meaningful: an
+// unknown state, a negative version or limit, a cursor (After) that no page returned.
+var ErrBadFilter = errors.New("saga: bad list filter")
+
+// Page is one page of sagas, newest first.
+type Page struct {
+	Sagas []Summary
+	// Next is the ListFilter.After of the following page; "" when this page is the last.
+	Next string
+}
+
+// List returns the first page of sagas matching f, newest first (see ListPage).
 func (a *Admin) List(ctx context.Context, db DB, f ListFilter) ([]Summary, error) {
-	if f.Limit <= 0 {
+	p, err := a.ListPage(ctx, db, f)
+	return p.Sagas, err
+}
+
+// ListPage returns one page of sagas matching f, newest first, and the cursor of the next.
+// Pages are keyset-paginated on (created_at, id), on the indexes of migration 0011: a page
+// deep in a million sagas costs what the first one does.
+func (a *Admin) ListPage(ctx context.Context, db DB, f ListFilter) (Page, error) {
+	var problems []string
+	switch f.State {
+	case "", StateRunning, StateCompensating, StateCompleted, StateCompensated, StateStuck:
+	default:
+		problems = append(problems, fmt.Sprintf("state %q is not a saga state (running, compensating, completed, compensated, stuck)", f.State))
+	}
+	if f.Version < 0 {
+		problems = append(problems, fmt.Sprintf("version %d is negative", f.Version))
+	}
+	switch {
+	case f.Limit == 0:
 		f.Limit = 100
+	case f.Limit < 0 || f.Limit > MaxListLimit:
+		problems = append(problems, fmt.Sprintf("limit %d is not between 1 and %d", f.Limit, MaxListLimit))
+	}
+	var after *cursor
+	if f.After != "" {
+		c, err := parseCursor(f.After)
+		if err != nil {
+			problems = append(problems, err.Error())
+		}
+		after = &c
+	}
+	if len(problems) > 0 {
+		return Page{}, fmt.Errorf("%w: %s", ErrBadFilter, strings.Join(problems, "; "))
 	}
 	var conds []string
-	args := []any{f.Limit}
+	args := []any{f.Limit + 1}
+	arg := func(v any) string { args = append(args, v); return fmt.Sprintf("$%d", len(args)) }
 	if f.State != "" {
-		args = append(args, string(f.State))
-		conds = append(conds, fmt.Sprintf("state = $%d", len(args)))
+		conds = append(conds, "state = "+arg(string(f.State)))
 	}
 	if f.Name != "" {
-		args = append(args, f.Name)
-		conds = append(conds, fmt.Sprintf("name = $%d", len(args)))
+		conds = append(conds, "name = "+arg(f.Name))
+	}
+	if f.Version != 0 {
+		conds = append(conds, "version = "+arg(f.Version))
+	}
+	if f.Step != "" {
+		conds = append(conds, "steps -> step ->> 'name' = "+arg(f.Step))
+	}
+	if f.Error != "" {
+		conds = append(conds, "strpos(lower(error), lower("+arg(f.Error)+")) > 0")
+	}
+	if f.IDPrefix != "" {
+		conds = append(conds, "starts_with(id, "+arg(f.IDPrefix)+")")
+	}
+	if !f.StartedBefore.IsZero() {
+		conds = append(conds, "created_at < "+arg(f.StartedBefore))
+	}
+	if after != nil {
+		conds = append(conds, "(created_at, id) < ("+arg(after.at)+", "+arg(after.id)+")")
 	}
 	where := ""
 	if len(conds) > 0 {
 		where = " WHERE " + strings.Join(conds, " AND ")
 	}
-	rows, err := db.Query(ctx, `SELECT id, name, version, state, step, attempt, error, steps, created_at, updated_at FROM `+
-		pgsql.Table(a.st.schema, "saga")+where+` ORDER BY created_at DESC, id LIMIT $1`, args...)
+	rows, err := db.Query(ctx, `SELECT id, name, version, state, step, attempt, error, steps -> step ->> 'name', created_at, updated_at FROM `+
+		pgsql.Table(a.st.schema, "saga")+where+` ORDER BY created_at DESC, id DESC LIMIT $1`, args...)
 	if err != nil {
-		return nil, fmt.Errorf("saga: list: %w", a.st.explain(err))
+		return Page{}, fmt.Errorf("saga: list: %w", a.st.explain(err))
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Summary, error) {
 		var s Summary
 		var step int
-		var steps []byte
-		if err := r.Scan(&s.ID, &s.Name, &s.Version, &s.State, &step, &s.Attempt, &s.Error, &steps, &s.CreatedAt, &s.UpdatedAt); err != nil {
+		var name *string
+		if err := r.Scan(&s.ID, &s.Name, &s.Version, &s.State, &step, &s.Attempt, &s.Error, &name, &s.CreatedAt, &s.UpdatedAt); err != nil {
 			return s, err
 		}
-		s.Step = stepName(steps, step)
+		s.Step = fmt.Sprintf("#%d", step)
+		if name != nil {
+			s.Step = *name
+		}
 		return s, nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("saga: list: %w", a.st.explain(err))
+		return Page{}, fmt.Errorf("saga: list: %w", a.st.explain(err))
 	}
-	return out, nil
+	p := Page{Sagas: out}
+	if len(out) > f.Limit {
+		p.Sagas = out[:f.Limit]
+		last := p.Sagas[f.Limit-1]
+		p.Next = cursor{at: last.CreatedAt, id: last.ID}.String()
+	}
+	return p, nil
 }
 
-func stepName(stepsJSON []byte, i int) string {
-	var steps []StepHistory
-	if json.Unmarshal(stepsJSON, &steps) != nil || i < 0 || i >= len(steps) {
-		return fmt.Sprintf("#%d", i)
+// cursor is the position after a saga in the list order (created_at DESC, id DESC).
+type cursor struct {
+	at time.Time
+	id string
+}
+
+// String encodes the cursor for a URL: microseconds since the epoch (PostgreSQL's
+// precision, so the position is exact) and the id.
+func (c cursor) String() string {
+	return base64.RawURLEncoding.EncodeToString([]byte(strconv.FormatInt(c.at.UnixMicro(), 10) + ":" + c.id))
+}
+
+func parseCursor(s string) (cursor, error) {
+	bad := fmt.Errorf("cursor %q is not one a page of sagas returned", s)
+	b, err := base64.RawURLEncoding.DecodeString(s)
+	if err != nil {
+		return cursor{}, bad
 	}
-	return steps[i].Name
+	us, id, ok := strings.Cut(string(b), ":")
+	n, err := strconv.ParseInt(us, 10, 64)
+	if !ok || err != nil {
+		return cursor{}, bad
+	}
+	return cursor{at: time.UnixMicro(n).UTC(), id: id}, nil
 }
 
 // ErrNotFound is returned for a saga id without a row (never started, or removed by the
@@ -142,7 +274,7 @@ func (a *Admin) Get(ctx context.Context, db DB, id string) (*Detail, error) {
 	if err != nil {
 		return nil, err
 	}
-	d := &Detail{Summary: summaryOf(in), Data: in.Data, Steps: in.Steps, CheckedAt: now}
+	d := &Detail{Summary: summaryOf(in), Data: in.Data, Steps: in.Steps, CheckedAt: now, TraceParent: in.Trace["traceparent"]}
 	rows, err := db.Query(ctx, `SELECT kind, action, step, due_at FROM `+pgsql.Table(a.st.schema, "saga_timer")+` WHERE saga_id = $1 ORDER BY due_at`, id)
 	if err != nil {
 		return nil, fmt.Errorf("saga: timers of %q: %w", id, a.st.explain(err))
@@ -194,16 +326,45 @@ func (a *Admin) RetryTx(ctx context.Context, tx pgx.Tx, id string) error {
 	})
 }
 
+// ErrPastPivot is returned by CompensateTx for a saga on or past its pivot step: it can only
+// go forward, and the orchestrator would drop the request. It wraps ErrWrongState.
+var ErrPastPivot = fmt.Errorf("%w: the saga is past its pivot", ErrWrongState)
+
 // CompensateTx asks the orchestrator to stop a running saga and compensate the steps that took
 // effect (including the current one: the barrier makes that a no-op if its action never ran).
-// A saga past its pivot cannot be compensated.
+// A saga past its pivot cannot be compensated: when the Admin knows the saga's definition
+// (NewAdmin's defs) it refuses one with ErrPastPivot; otherwise the orchestrator drops the
+// request (and logs it).
 func (a *Admin) CompensateTx(ctx context.Context, tx pgx.Tx, id string) error {
 	return a.request(ctx, tx, id, actCompensate, func(in *instance) error {
 		if in.State != StateRunning {
 			return fmt.Errorf("%w: saga %q is %s; only a running saga can be compensated", ErrWrongState, id, in.State)
 		}
+		if d, ok := a.defs[knownKey{in.Name, in.Version}]; ok && in.Step >= d.pivotIndex() {
+			pivot := fmt.Sprintf("step %d", d.pivotIndex())
+			if p := d.pivotIndex(); p < len(in.Steps) {
+				pivot = fmt.Sprintf("%q", in.Steps[p].Name)
+			}
+			return fmt.Errorf("%w: saga %q is at step %q, on or after its pivot %s, and can only go forward; "+
+				"a compensation would be dropped (fix what blocks the step instead)", ErrPastPivot, id, in.Steps[in.Step].Name, pivot)
+		}
 		return nil
 	})
+}
+
+// PastPivot reports whether the Admin knows the saga's definition and the saga is on or past
+// its pivot (so CompensateTx would refuse it); known is false without the definition.
+func (a *Admin) PastPivot(d *Detail) (past, known bool) {
+	def, ok := a.defs[knownKey{d.Name, d.Version}]
+	if !ok {
+		return false, false
+	}
+	for i, s := range d.Steps {
+		if s.Name == d.Step && !d.State.Finished() {
+			return i >= def.pivotIndex(), true
+		}
+	}
+	return false, true
 }
 
 func (a *Admin) request(ctx context.Context, tx pgx.Tx, id, action string, check func(*instance) error) error {
@@ -221,4 +382,164 @@ func (a *Admin) request(ctx context.Context, tx pgx.Tx, id, action string, check
 		return fmt.Errorf("saga: file the %s request for %q: %w", action, id, a.st.explain(err))
 	}
 	return nil
+}
+
+// TxDB is what the bulk requests need: a DB that begins transactions (a *pgxpool.Pool).
+type TxDB interface {
+	DB
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// BulkOptions bound RetryMatching and CompensateMatching.
+type BulkOptions struct {
+	// DryRun lists the sagas the filter selects (up to Limit) and files nothing.
+	DryRun bool
+	// Limit is the most sagas acted on (or listed) in one call: default 100, at most
+	// MaxBulkLimit. BulkResult.More says whether the filter selects more.
+	Limit int
+}
+
+// MaxBulkLimit caps one bulk request: a larger recovery is several calls, each reported.
+const MaxBulkLimit = 10_000
+
+// BulkRefusal is a saga a bulk request did not apply to, and why.
+type BulkRefusal struct {
+	ID  string
+	Err error // wraps ErrWrongState, ErrPastPivot or ErrNotFound
+}
+
+// BulkResult reports a bulk request saga by saga.
+type BulkResult struct {
+	// Matched are the ids the filter selected, newest first, at most Limit.
+	Matched []string
+	// More is set when the filter selects more sagas than Limit.
+	More bool
+	// Requested are the sagas whose request was filed (none on a dry run).
+	Requested []string
+	// Refused are the sagas the request does not apply to (their state changed since they
+	// were listed, or past the pivot), each with the reason; nothing was filed for them.
+	Refused []BulkRefusal
+}
+
+// RetryMatching files a retry request (RetryTx) for each saga f selects, in its own
+// transaction, so each saga is requested or refused as a whole and one refusal stops
+// nothing else. f.After and f.Limit are ignored: o.Limit bounds the call.
+func (a *Admin) RetryMatching(ctx context.Context, db TxDB, f ListFilter, o BulkOptions) (BulkResult, error) {
+	return a.bulk(ctx, db, f, o, a.RetryTx)
+}
+
+// CompensateMatching files a compensation request (CompensateTx) for each saga f selects,
+// as RetryMatching does.
+func (a *Admin) CompensateMatching(ctx context.Context, db TxDB, f ListFilter, o BulkOptions) (BulkResult, error) {
+	return a.bulk(ctx, db, f, o, a.CompensateTx)
+}
+
+func (a *Admin) bulk(ctx context.Context, db TxDB, f ListFilter, o BulkOptions, request func(context.Context, pgx.Tx, string) error) (BulkResult, error) {
+	var res BulkResult
+	switch {
+	case o.Limit == 0:
+		o.Limit = 100
+	case o.Limit < 0 || o.Limit > MaxBulkLimit:
+		return res, fmt.Errorf("%w: limit %d is not between 1 and %d", ErrBadFilter, o.Limit, MaxBulkLimit)
+	}
+	// Select first, in pages (each bounded by the keyset indexes), then act: the selection is
+	// what the filter matched when the call began, and acting does not move the pages.
+	f.After = ""
+	for len(res.Matched) < o.Limit {
+		f.Limit = min(MaxListLimit, o.Limit-len(res.Matched)+1)
+		p, err := a.ListPage(ctx, db, f)
+		if err != nil {
+			return res, err
+		}
+		for _, s := range p.Sagas {
+			if len(res.Matched) == o.Limit {
+				res.More = true
+				break
+			}
+			res.Matched = append(res.Matched, s.ID)
+		}
+		if p.Next == "" || res.More {
+			break
+		}
+		f.After = p.Next
+	}
+	if o.DryRun {
+		return res, nil
+	}
+	for _, id := range res.Matched {
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return request(ctx, tx, id) })
+		switch {
+		case err == nil:
+			res.Requested = append(res.Requested, id)
+		case errors.Is(err, ErrWrongState), errors.Is(err, ErrNotFound):
+			res.Refused = append(res.Refused, BulkRefusal{ID: id, Err: err})
+		default:
+			// The database failed: stop, and report what was filed so far (each of those
+			// committed on its own).
+			return res, err
+		}
+	}
+	return res, nil
+}
+
+// Barrier is a participant's barrier row for a step of a saga: the record, in the
+// participant consumer's processed_event, that the step's action or compensation was
+// decided there (see the barrier in docs/sagas.md).
+type Barrier struct {
+	Consumer string
+	Step     string
+	Phase    outbox.SagaPhase
+	At       time.Time
+	// Result is set when the action's row holds its result: the action ran and took effect.
+	// An action row without one was written by the compensation that came first (a null
+	// compensation: the action never ran, and a late one is skipped) — or by an action
+	// under an onceflow older than migration 0009, which kept no results.
+	Result bool
+}
+
+// maxBarrierConsumers bounds the consumers Barriers visits, so a schema with very many
+// inbox consumers cannot make a saga's page slow.
+const maxBarrierConsumers = 200
+
+// Barriers returns the barrier rows of the saga's steps in every consumer of the schema's
+// processed_event. It reads the table by its primary key only: the distinct consumers by a
+// loose index scan (one index descent each, at most maxBarrierConsumers), then each
+// consumer's rows of exactly this saga's keys; its cost does not grow with the table.
+func (a *Admin) Barriers(ctx context.Context, db DB, d *Detail) ([]Barrier, error) {
+	type key struct {
+		step  string
+		phase outbox.SagaPhase
+	}
+	keys := map[string]key{}
+	var list []string
+	for _, s := range d.Steps {
+		for _, ph := range []outbox.SagaPhase{outbox.SagaPhaseAction, outbox.SagaPhaseCompensation} {
+			k := barrierKey(d.ID, s.Name, ph)
+			keys[k] = key{s.Name, ph}
+			list = append(list, k)
+		}
+	}
+	pe := pgsql.Table(a.st.schema, "processed_event")
+	rows, err := db.Query(ctx, `WITH RECURSIVE c (consumer, n) AS (
+			(SELECT consumer, 1 FROM `+pe+` ORDER BY consumer LIMIT 1)
+			UNION ALL
+			SELECT (SELECT p.consumer FROM `+pe+` p WHERE p.consumer > c.consumer ORDER BY p.consumer LIMIT 1), c.n + 1
+			FROM c WHERE c.consumer IS NOT NULL AND c.n < $2)
+		SELECT p.consumer, p.dedup_key, p.processed_at, p.result IS NOT NULL
+		FROM c JOIN `+pe+` p ON p.consumer = c.consumer AND p.dedup_key = ANY($1::text[])
+		ORDER BY p.processed_at, p.consumer`, list, maxBarrierConsumers)
+	if err != nil {
+		return nil, fmt.Errorf("saga: barrier rows of %q: %w", d.ID, a.st.explain(err))
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Barrier, error) {
+		var b Barrier
+		var k string
+		err := r.Scan(&b.Consumer, &k, &b.At, &b.Result)
+		b.Step, b.Phase = keys[k].step, keys[k].phase
+		return b, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("saga: barrier rows of %q: %w", d.ID, a.st.explain(err))
+	}
+	return out, nil
 }

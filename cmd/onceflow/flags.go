@@ -109,7 +109,7 @@ type dbFlags struct {
 
 func (c *cli) addDBFlags(fs *flag.FlagSet) *dbFlags {
 	d := &dbFlags{c: c, url: c.getenv("DATABASE_URL")}
-	fs.Var(&dsnValue{s: &d.url, secrets: c.secrets}, "database-url",
+	fs.Var(&dsnValue{s: &d.url, secrets: c.secrets, warn: c.stderr}, "database-url",
 		"PostgreSQL connection `string` (URL or key=value; its password is never shown) [DATABASE_URL]")
 	fs.StringVar(&d.schema, "schema", c.envOr("ONCEFLOW_SCHEMA", pgsql.DefaultSchema), "schema holding the onceflow tables [ONCEFLOW_SCHEMA]")
 	return d
@@ -121,6 +121,7 @@ func (c *cli) addDBFlags(fs *flag.FlagSet) *dbFlags {
 type dsnValue struct {
 	s       *string
 	secrets *secrets
+	warn    io.Writer // where a password in the flag is warned about
 }
 
 func (v *dsnValue) String() string {
@@ -133,6 +134,13 @@ func (v *dsnValue) String() string {
 func (v *dsnValue) Set(s string) error {
 	*v.s = s
 	v.secrets.add(s)
+	// A flag's value is in the process's command line, which every user of the host reads
+	// (ps, /proc/PID/cmdline) for as long as the process runs: relay, status --watch,
+	// cleanup --every and ui run for days.
+	if v.warn != nil && pgsql.RedactDSN(s) != s {
+		fmt.Fprintln(v.warn, "onceflow: warning: --database-url carries a password, which ps shows to every user of this host "+
+			"while the command runs; pass the URL without it and set PGPASSWORD or ~/.pgpass, or put the whole URL in DATABASE_URL")
+	}
 	return nil
 }
 
@@ -273,4 +281,22 @@ func (m *maskingWriter) Write(p []byte) (int, error) {
 		return 0, err
 	}
 	return len(p), nil
+}
+
+// maxLimit is the largest --limit: a listing is one page, and the next page is asked for
+// with the cursor the listing prints (--after), so no command reads a whole table at once.
+const maxLimit = 1000
+
+// addLimitFlag is every listing's --limit, with one meaning everywhere: list at most N rows,
+// N from 1 to maxLimit. 0 is refused rather than read as "none" or "all": the two readings
+// commands used to give it.
+func addLimitFlag(fs *flag.FlagSet, def int, what string) *int {
+	return fs.Int("limit", def, fmt.Sprintf("%s to list, 1 to %d (the listing says how to get the next page)", what, maxLimit))
+}
+
+func checkLimit(n int) error {
+	if n < 1 || n > maxLimit {
+		return fmt.Errorf("--limit is %d; it must be between 1 and %d (page on with the cursor the listing prints)", n, maxLimit)
+	}
+	return nil
 }

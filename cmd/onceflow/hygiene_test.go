@@ -26,6 +26,8 @@ var everyHelp = [][]string{
 	{"cleanup", "-h"}, {"cleanup", "--help"},
 	{"topics", "-h"}, {"topics", "--help"}, {"topics", "create", "-h"}, {"topics", "list", "--help"},
 	{"inbox", "-h"}, {"inbox", "poison", "-h"}, {"inbox", "poison", "list", "--help"}, {"inbox", "poison", "delete", "-h"},
+	{"saga", "-h"}, {"saga", "--help"}, {"saga", "list", "-h"}, {"saga", "show", "-h"}, {"saga", "retry", "-h"}, {"saga", "compensate", "--help"},
+	{"ui", "-h"}, {"ui", "--help"},
 }
 
 // No command prints the database password: not in usage text (the flag default comes from
@@ -51,6 +53,7 @@ func TestNoPasswordInOutput(t *testing.T) {
 		{"outbox", "inspect", "--nope"}, {"outbox", "inspect"}, {"outbox", "parked"}, {"outbox", "replay", "--all"},
 		{"cleanup", "--nope"}, {"cleanup", "--batch-size", "x"}, {"cleanup"},
 		{"inbox", "poison"}, {"inbox", "poison", "--nope"}, {"inbox", "poison", "delete", "--id", "1"},
+		{"saga", "list"}, {"saga", "retry", "--state", "stuck", "--dry-run"}, {"cleanup", "--dry-run"}, {"ui"},
 	}...)
 	var mu sync.Mutex
 	var leaks []string

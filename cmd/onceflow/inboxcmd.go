@@ -91,7 +91,8 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	fs := c.newFlagSet("inbox poison", poisonListSynopsis)
 	db := c.addDBFlags(fs)
 	consumer := fs.String("consumer", "", "only rows of this inbox consumer (inbox.Config.Consumer)")
-	limit := fs.Int("limit", 100, "rows to list, newest first")
+	limit := addLimitFlag(fs, 100, "rows (newest first)")
+	before := fs.Int64("before", 0, "list the rows older than this id (the next page of a listing)")
 	asJSON := fs.Bool("json", false, "print the rows as a JSON array, with dedup key, metadata and payload")
 	if err := parse(fs, args); err != nil {
 		return err
@@ -99,8 +100,11 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q (filter with --consumer)", fs.Args())
 	}
-	if *limit < 1 {
-		return fmt.Errorf("--limit is %d; it must be at least 1", *limit)
+	if err := checkLimit(*limit); err != nil {
+		return err
+	}
+	if *before < 0 {
+		return fmt.Errorf("--before is %d; pass a row id from a listing", *before)
 	}
 	pool, err := db.connectMigrated(ctx, "onceflow-inbox")
 	if err != nil {
@@ -113,7 +117,7 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 		return fmt.Errorf("count the rows of %s.inbox_poison: %w", db.schema, err)
 	}
 	rows, err := pool.Query(ctx, `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, payload
-		FROM `+table+` WHERE $1 = '' OR consumer = $1 ORDER BY id DESC LIMIT $2`, *consumer, *limit)
+		FROM `+table+` WHERE ($1 = '' OR consumer = $1) AND ($3 = 0 OR id < $3) ORDER BY id DESC LIMIT $2`, *consumer, *limit, *before)
 	if err != nil {
 		return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
 	}
@@ -160,7 +164,7 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	}
 	shown := ""
 	if int64(len(list)) < total {
-		shown = fmt.Sprintf(" (the newest %d shown; --limit lists more)", len(list))
+		shown = fmt.Sprintf(" (%d shown; --before %d lists the next page)", len(list), list[len(list)-1].ID)
 	}
 	p.f("\n%d poison messages%s. Each has its dedup row: a redelivery is skipped.\n", total, shown)
 	p.f("--json shows the dedup key, metadata and payload (to re-publish a message after deleting its dedup row);\n")

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/onceflow/onceflow/console"
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
@@ -68,7 +69,7 @@ func TestInboxPoisonCommands(t *testing.T) {
 
 	r = runCmd(ctx, env, "inbox", "poison", "--consumer", "billing", "--limit", "1").expect(t, "inbox poison --consumer --limit", 0)
 	if !strings.Contains(r.stdout, second.UUID) || strings.Contains(r.stdout, first.UUID) || strings.Contains(r.stdout, third.UUID) ||
-		!strings.Contains(r.stdout, "2 poison messages (the newest 1 shown") {
+		!strings.Contains(r.stdout, "2 poison messages (1 shown; --before ") {
 		t.Errorf("inbox poison --consumer billing --limit 1:\n%s", r.stdout)
 	}
 
@@ -94,7 +95,7 @@ func TestInboxPoisonCommands(t *testing.T) {
 	if err := json.Unmarshal([]byte(r.stdout), &rep); err != nil {
 		t.Fatal(err)
 	}
-	if len(rep.InboxPoison) != 2 || rep.InboxPoison[0] != (statusPoison{"audit", 1}) || rep.InboxPoison[1] != (statusPoison{"billing", 2}) {
+	if len(rep.InboxPoison) != 2 || rep.InboxPoison[0] != (console.StatusPoison{Consumer: "audit", Count: 1}) || rep.InboxPoison[1] != (console.StatusPoison{Consumer: "billing", Count: 2}) {
 		t.Errorf("status --json inbox_poison: %+v", rep.InboxPoison)
 	}
 

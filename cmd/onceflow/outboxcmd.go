@@ -73,7 +73,7 @@ func (f *filterFlags) filter() (relay.ParkedFilter, error) {
 	var bad []string
 	for _, s := range splitList(f.ids) {
 		id, err := strconv.ParseInt(s, 10, 64)
-		if err != nil {
+		if err != nil || id < 1 { // ids start at 1: --id 0 is a typo, not a filter
 			bad = append(bad, strconv.Quote(s))
 			continue
 		}
@@ -107,10 +107,13 @@ func splitList(s string) []string {
 func (c *cli) outboxInspect(ctx context.Context, args []string) error {
 	fs := c.newFlagSet("outbox inspect", "outbox inspect [flags]\n\nShows what waits in the outbox and which relays hold the shards.")
 	db := c.addDBFlags(fs)
-	limit := fs.Int("limit", 20, "pending rows to list (oldest first); 0 lists none")
+	limit := addLimitFlag(fs, 20, "pending rows (oldest first)")
 	topic := fs.String("topic", "", "list only rows of this topic")
 	failing := fs.Bool("failing", false, "list only rows the broker refused at least once")
 	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := checkLimit(*limit); err != nil {
 		return err
 	}
 	admin, err := relay.NewAdmin(db.schema)
@@ -135,13 +138,23 @@ func (c *cli) outboxInspect(ctx context.Context, args []string) error {
 	if s.Pending > 0 && !s.Oldest.IsZero() {
 		oldest = " (oldest " + s.CheckedAt.Sub(s.Oldest).Round(time.Millisecond).String() + " old)"
 	}
-	p.f("pending: %d rows%s, %d refused at least once; parked: %d\n", s.Pending, oldest, s.Failing, s.Parked)
+	about, among := "", ""
+	if !s.PendingExact {
+		about = "about "
+	}
+	if s.Pending > relay.SummarySample {
+		among = fmt.Sprintf(" of the oldest %d", relay.SummarySample)
+	}
+	p.f("pending: %s%d rows%s, %d%s refused at least once; parked: %d\n", about, s.Pending, oldest, s.Failing, among, s.Parked)
 	if s.Pending > 0 && !slices.ContainsFunc(s.Members, func(m relay.Member) bool { return m.Live }) {
 		// On stderr, so it shows in a terminal and stays out of a script's parsing of the report.
 		fmt.Fprintf(c.stderr, "onceflow outbox: warning: %d rows pending and no relay is live (no unexpired heartbeat in relay_member), so nothing publishes them: start one with `onceflow relay --schema %s`\n",
 			s.Pending, db.schema)
 	}
 	if len(s.PerTopic) > 0 {
+		if among != "" {
+			p.f("\nper topic, among the oldest %d rows:", relay.SummarySample)
+		}
 		p.f("\nTOPIC\tPENDING\n")
 		for _, t := range s.PerTopic {
 			p.f("%s\t%d\n", t.Topic, t.Pending)
@@ -164,16 +177,14 @@ func (c *cli) outboxInspect(ctx context.Context, args []string) error {
 			p.f("%s\t%s\t%d\t%t\t%s\t%s\n", m.ID, m.Host, m.PID, m.Live, fmtTime(m.StartedAt), fmtTime(m.HeartbeatAt))
 		}
 	}
-	if *limit > 0 {
-		rows, err := admin.Pending(ctx, pool, relay.PendingFilter{Topic: *topic, Failing: *failing, Limit: *limit})
-		if err != nil {
-			return err
-		}
-		if len(rows) > 0 {
-			p.f("\nID\tEVENT ID\tTOPIC\tKEY\tBYTES\tCREATED\tATTEMPTS\tLAST ERROR\n")
-			for _, r := range rows {
-				p.f("%d\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, fmtTime(r.CreatedAt), r.Attempts, oneLine(r.LastError))
-			}
+	rows, err := admin.Pending(ctx, pool, relay.PendingFilter{Topic: *topic, Failing: *failing, Limit: *limit})
+	if err != nil {
+		return err
+	}
+	if len(rows) > 0 {
+		p.f("\nID\tEVENT ID\tTOPIC\tKEY\tBYTES\tCREATED\tATTEMPTS\tLAST ERROR\n")
+		for _, r := range rows {
+			p.f("%d\t%s\t%s\t%s\t%d\t%s\t%d\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, fmtTime(r.CreatedAt), r.Attempts, oneLine(r.LastError))
 		}
 	}
 	return p.flush(tw)
@@ -202,15 +213,19 @@ func (c *cli) outboxParked(ctx context.Context, args []string) error {
 	fs := c.newFlagSet("outbox parked", "outbox parked [flags]\n\nLists parked rows, oldest first, with the error that got them parked.")
 	db := c.addDBFlags(fs)
 	ff := addFilterFlags(fs)
-	limit := fs.Int("limit", 100, "rows to list")
+	limit := addLimitFlag(fs, 100, "rows")
+	after := fs.Int64("after", 0, "list the rows after this id (the next page of a listing)")
 	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if err := checkLimit(*limit); err != nil {
 		return err
 	}
 	f, err := ff.filter()
 	if err != nil {
 		return err
 	}
-	f.Limit = *limit
+	f.Limit, f.AfterID = *limit, *after
 	admin, err := relay.NewAdmin(db.schema)
 	if err != nil {
 		return err
@@ -233,6 +248,9 @@ func (c *cli) outboxParked(ctx context.Context, args []string) error {
 	}
 	for _, r := range rows {
 		p.f("%d\t%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\n", r.ID, r.EventID, r.Topic, r.Key, r.Size, r.Attempts, fmtTime(r.ParkedAt), r.ParkedBy, oneLine(r.LastError))
+	}
+	if len(rows) == *limit {
+		p.f("\nmore may follow: --after %d lists the next page\n", rows[len(rows)-1].ID)
 	}
 	return p.flush(tw)
 }
@@ -268,15 +286,31 @@ func (c *cli) outboxReplay(ctx context.Context, args []string) error {
 	defer pool.Close()
 	p := &printer{w: c.stdout}
 	if *dryRun {
-		f.Limit = 1 << 30
-		rows, err := admin.Parked(ctx, pool, f)
+		// A count that stops at replayDryRunCap and the first ids: a dry run over a million
+		// parked rows reads no more than that, and prints a screen, not a million lines.
+		n, ids, err := admin.CountParked(ctx, pool, f, replayDryRunCap, dryRunIDs)
 		if err != nil {
 			return err
 		}
-		for _, r := range rows {
-			p.f("would replay id %d event %s topic %s key %q\n", r.ID, r.EventID, r.Topic, r.Key)
+		if n == 0 {
+			return fmt.Errorf("no parked row matches %s (dry run): nothing would be replayed; `onceflow outbox parked` lists them", ff.describe(f.All))
 		}
-		p.f("%d parked rows would be replayed (dry run: nothing changed)\n", len(rows))
+		more := ""
+		if n >= replayDryRunCap {
+			more = " or more"
+		}
+		p.f("%d%s parked rows would be replayed (dry run: nothing changed); ids", n, more)
+		for i, id := range ids {
+			sep := ","
+			if i == 0 {
+				sep = ":"
+			}
+			p.f("%s %d", sep, id)
+		}
+		if int64(len(ids)) < n {
+			p.f(", … (the first %d shown)", len(ids))
+		}
+		p.f("\n")
 		return p.err
 	}
 	var done []relay.Replayed
@@ -288,11 +322,35 @@ func (c *cli) outboxReplay(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	if len(done) == 0 {
+		return fmt.Errorf("no parked row matches %s: nothing moved; `onceflow outbox parked` lists them", ff.describe(f.All))
+	}
 	for _, r := range done {
 		p.f("replayed event %s as outbox row %d\n", r.EventID, r.ID)
 	}
 	p.f("%d parked rows moved back into the outbox\n", len(done))
 	return p.err
+}
+
+// The dry run's bounds: the count stops at replayDryRunCap, and the first dryRunIDs ids are
+// printed.
+const (
+	replayDryRunCap = 100_000
+	dryRunIDs       = 1000
+)
+
+// describe says which filter selected nothing, for the error that says so.
+func (f *filterFlags) describe(all bool) string {
+	var parts []string
+	for _, p := range []struct{ flag, v string }{{"--id", f.ids}, {"--event-id", f.eventIDs}, {"--topic", f.topic}, {"--key", f.key}} {
+		if p.v != "" {
+			parts = append(parts, fmt.Sprintf("%s %q", p.flag, p.v))
+		}
+	}
+	if all && len(parts) == 0 {
+		return "--all (there are no parked rows)"
+	}
+	return strings.Join(parts, " ")
 }
 
 func fmtTime(t time.Time) string {

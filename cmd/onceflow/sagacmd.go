@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"sort"
 	"strings"
 	"text/tabwriter"
@@ -29,7 +30,7 @@ which has the saga's definition; the command only files the request.`
 
 func (c *cli) runSaga(ctx context.Context, args []string) error {
 	if len(args) == 0 {
-		c.sagaUsage()
+		c.sagaUsage(c.stderr)
 		return errUsage
 	}
 	switch args[0] {
@@ -39,54 +40,97 @@ func (c *cli) runSaga(ctx context.Context, args []string) error {
 		return c.sagaShow(ctx, args[1:])
 	case "retry", "compensate":
 		return c.sagaRequest(ctx, args[0], args[1:])
-	case "-h", "--help", "help":
-		c.sagaUsage()
-		return nil
+	case "-h", "-help", "--help", "help":
+		c.sagaUsage(c.stdout) // help asked for: stdout, like every other command's
+		return flag.ErrHelp
 	default:
 		fmt.Fprintf(c.stderr, "onceflow saga: unknown action %q\n\n", args[0])
-		c.sagaUsage()
+		c.sagaUsage(c.stderr)
 		return errUsage
 	}
 }
 
-func (c *cli) sagaUsage() {
-	fmt.Fprintf(c.stderr, "Usage: onceflow %s\n\nRun 'onceflow saga <action> -h' for the flags of an action.\n", sagaSynopsis)
+func (c *cli) sagaUsage(w io.Writer) {
+	fmt.Fprintf(w, "Usage: onceflow %s\n\nRun 'onceflow saga <action> -h' for the flags of an action.\n", sagaSynopsis)
+}
+
+// sagaFilterFlags are the filters of saga list, shared by the bulk retry and compensate.
+type sagaFilterFlags struct {
+	state, name, step, errText, idPrefix string
+	version                              int
+	olderThan                            time.Duration
+}
+
+func addSagaFilterFlags(fs *flag.FlagSet) *sagaFilterFlags {
+	f := &sagaFilterFlags{}
+	fs.StringVar(&f.state, "state", "", "only sagas in this state: running, compensating, completed, compensated or stuck")
+	fs.StringVar(&f.name, "name", "", "only sagas of this definition")
+	fs.IntVar(&f.version, "version", 0, "only sagas of this definition version (0: any)")
+	fs.StringVar(&f.step, "step", "", "only sagas whose current step has this name")
+	fs.StringVar(&f.errText, "error", "", "only sagas whose error contains this text (ignoring case)")
+	fs.StringVar(&f.idPrefix, "id-prefix", "", "only sagas whose id starts with this")
+	fs.DurationVar(&f.olderThan, "older-than", 0, "only sagas started longer ago than this (e.g. 2h)")
+	return f
+}
+
+// filter is the flags as a saga.ListFilter; the Admin validates the rest (saga.ErrBadFilter).
+// An unknown --state is a usage error (exit 2), as a mistyped flag is.
+func (f *sagaFilterFlags) filter(c *cli, cmd string) (saga.ListFilter, error) {
+	switch saga.State(f.state) {
+	case "", saga.StateRunning, saga.StateCompensating, saga.StateCompleted, saga.StateCompensated, saga.StateStuck:
+	default:
+		fmt.Fprintf(c.stderr, "onceflow %s: --state %q is not a saga state; use running, compensating, completed, compensated or stuck\n", cmd, f.state)
+		return saga.ListFilter{}, errUsage
+	}
+	lf := saga.ListFilter{State: saga.State(f.state), Name: f.name, Version: f.version, Step: f.step, Error: f.errText, IDPrefix: f.idPrefix}
+	if f.olderThan < 0 {
+		return lf, fmt.Errorf("--older-than is %s; it must not be negative", f.olderThan)
+	}
+	if f.olderThan > 0 {
+		lf.StartedBefore = time.Now().Add(-f.olderThan)
+	}
+	return lf, nil
 }
 
 func (c *cli) sagaList(ctx context.Context, args []string) error {
-	fs := c.newFlagSet("saga list", "saga list [flags]\n\nLists sagas, newest first.")
+	fs := c.newFlagSet("saga list", "saga list [flags]\n\nLists sagas, newest first, a page at a time (--limit; the next page with the --after it prints).")
 	db := c.addDBFlags(fs)
-	state := fs.String("state", "", "only sagas in this state: running, compensating, completed, compensated or stuck")
-	name := fs.String("name", "", "only sagas of this definition")
-	limit := fs.Int("limit", 100, "sagas to list")
+	sf := addSagaFilterFlags(fs)
+	limit := addLimitFlag(fs, 100, "sagas")
+	after := fs.String("after", "", "list the page after this cursor (printed at the end of the previous page)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	switch saga.State(*state) {
-	case "", saga.StateRunning, saga.StateCompensating, saga.StateCompleted, saga.StateCompensated, saga.StateStuck:
-	default:
-		fmt.Fprintf(c.stderr, "onceflow saga list: --state %q is not a saga state; use running, compensating, completed, compensated or stuck\n", *state)
-		return errUsage
+	if err := checkLimit(*limit); err != nil {
+		return err
 	}
+	f, err := sf.filter(c, "saga list")
+	if err != nil {
+		return err
+	}
+	f.Limit, f.After = *limit, *after
 	admin, pool, err := sagaAdmin(ctx, db)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	list, err := admin.List(ctx, pool, saga.ListFilter{State: saga.State(*state), Name: *name, Limit: *limit})
+	page, err := admin.ListPage(ctx, pool, f)
 	if err != nil {
 		return err
 	}
 	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	p := &printer{w: tw}
-	if len(list) == 0 {
+	if len(page.Sagas) == 0 {
 		p.f("no sagas\n")
 		return p.flush(tw)
 	}
 	p.f("ID\tNAME\tVERSION\tSTATE\tSTEP\tATTEMPT\tSTARTED\tUPDATED\tERROR\n")
-	for _, s := range list {
+	for _, s := range page.Sagas {
 		p.f("%s\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\n", s.ID, s.Name, s.Version, s.State, s.Step, s.Attempt,
 			fmtTime(s.CreatedAt), fmtTime(s.UpdatedAt), oneLine(s.Error))
+	}
+	if page.Next != "" {
+		p.f("\nmore sagas match: add --after %s for the next page\n", page.Next)
 	}
 	return p.flush(tw)
 }
@@ -241,37 +285,112 @@ func retryWhat(w *saga.Wait) string {
 
 func (c *cli) sagaRequest(ctx context.Context, action string, args []string) error {
 	what := map[string]string{
-		"retry":      "Resumes a stuck saga the way it was going, with a fresh attempt budget: an orchestrator re-sends the current step's action (stuck moving forward) or its compensation (stuck compensating); `saga show` says which.",
-		"compensate": "Stops a running saga: an orchestrator compensates the steps that took effect.",
+		"retry":      "Resumes stuck sagas, each the way it was going, with a fresh attempt budget: an orchestrator re-sends the current step's action (stuck moving forward) or its compensation (stuck compensating); `saga show` says which.",
+		"compensate": "Stops running sagas: an orchestrator compensates the steps that took effect.",
 	}[action]
-	fs := c.newFlagSet("saga "+action, "saga "+action+" [flags] ID\n\n"+what)
+	fs := c.newFlagSet("saga "+action, "saga "+action+" [flags] ID\n  or: saga "+action+" --state ... [filters] [--dry-run] [--limit N]\n\n"+what+
+		"\n\nWith filters (those of saga list) it acts on every saga they select, newest first, at most --limit,\n"+
+		"one transaction per saga; each saga the request does not apply to is reported with the reason.\n"+
+		"--dry-run prints the count and the ids and files nothing.")
 	db := c.addDBFlags(fs)
-	id, err := c.oneID(fs, action, args)
+	sf := addSagaFilterFlags(fs)
+	dry := fs.Bool("dry-run", false, "print the sagas the filters select, and file nothing")
+	limit := addLimitFlag(fs, 100, "sagas")
+	pos, err := c.positional(fs, args)
 	if err != nil {
 		return err
+	}
+	if err := checkLimit(*limit); err != nil {
+		return err
+	}
+	filtered := false
+	fs.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "state", "name", "version", "step", "error", "id-prefix", "older-than":
+			filtered = true
+		}
+	})
+	switch {
+	case len(pos) == 1 && !filtered && !*dry:
+	case len(pos) == 0 && filtered:
+	default:
+		fmt.Fprintf(c.stderr, "onceflow saga %s: give one saga id, or filters (e.g. --state stuck) with optional --dry-run and --limit, not both\n", action)
+		return errUsage
 	}
 	admin, pool, err := sagaAdmin(ctx, db)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if action == "retry" {
-			return admin.RetryTx(ctx, tx, id)
+	if len(pos) == 1 {
+		id := pos[0]
+		err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if action == "retry" {
+				return admin.RetryTx(ctx, tx, id)
+			}
+			return admin.CompensateTx(ctx, tx, id)
+		})
+		if err != nil {
+			return err
 		}
-		return admin.CompensateTx(ctx, tx, id)
-	})
+		caveat := ""
+		if action == "retry" {
+			if d, err := admin.Get(ctx, pool, id); err == nil && d.Wait != nil {
+				caveat = " (it " + retryWhat(d.Wait) + ")"
+			}
+		}
+		if action == "compensate" {
+			// The CLI has no definitions, so it cannot refuse a saga past its pivot up front
+			// (saga.NewAdmin with the definitions does): say what happens then.
+			caveat = "; if the saga is past its pivot, the orchestrator drops the request and the saga goes on"
+		}
+		_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out%s (watch it with: onceflow saga show %s)\n", action, id, caveat, id)
+		return err
+	}
+	f, err := sf.filter(c, "saga "+action)
 	if err != nil {
 		return err
 	}
-	what = ""
-	if action == "retry" {
-		if d, err := admin.Get(ctx, pool, id); err == nil && d.Wait != nil {
-			what = " (it " + retryWhat(d.Wait) + ")"
-		}
+	bulk := admin.RetryMatching
+	if action == "compensate" {
+		bulk = admin.CompensateMatching
 	}
-	_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s%s; a running orchestrator carries it out (watch it with: onceflow saga show %s)\n", action, id, what, id)
-	return err
+	res, err := bulk(ctx, pool, f, saga.BulkOptions{DryRun: *dry, Limit: *limit})
+	p := &printer{w: c.stdout}
+	more := ""
+	if res.More {
+		more = fmt.Sprintf(" (more match: at most --limit %d per run; run it again for the rest)", *limit)
+	}
+	if err != nil && len(res.Requested) == 0 {
+		return err
+	}
+	if len(res.Matched) == 0 {
+		return fmt.Errorf("no saga matches the filters: nothing to %s (onceflow saga list with the same filters shows what they select)", action)
+	}
+	if *dry {
+		p.f("%d sagas would get a %s request (dry run: nothing filed)%s:\n", len(res.Matched), action, more)
+		for _, id := range res.Matched {
+			p.f("  %s\n", id)
+		}
+		return p.err
+	}
+	for _, id := range res.Requested {
+		p.f("%s requested for saga %s\n", action, id)
+	}
+	for _, r := range res.Refused {
+		p.f("refused saga %s: %s\n", r.ID, withoutPrefix("saga", r.Err))
+	}
+	p.f("%d of %d sagas requested, %d refused%s; a running orchestrator carries the requests out\n", len(res.Requested), len(res.Matched), len(res.Refused), more)
+	if p.err != nil {
+		return p.err
+	}
+	if err != nil {
+		return fmt.Errorf("stopped after %d requests: %w", len(res.Requested), err)
+	}
+	if len(res.Refused) > 0 {
+		return fmt.Errorf("%d sagas refused (listed above); the others were requested", len(res.Refused))
+	}
+	return nil
 }
 
 // sagaAdmin connects for a saga command.
@@ -286,13 +405,34 @@ func sagaAdmin(ctx context.Context, db *dbFlags) (*saga.Admin, *pgxpool.Pool, er
 
 // oneID parses flags and exactly one positional saga id.
 func (c *cli) oneID(fs *flag.FlagSet, action string, args []string) (string, error) {
-	// Flags may come before or after the id.
+	pos, err := c.positional(fs, args)
+	if err != nil {
+		return "", err
+	}
+	if len(pos) != 1 {
+		fmt.Fprintf(c.stderr, "onceflow saga %s: give exactly one saga id (see onceflow saga list)\n", action)
+		return "", errUsage
+	}
+	return pos[0], nil
+}
+
+// positional parses the flags, which may come before or after the positional arguments, and
+// returns the positional ones.
+func (c *cli) positional(fs *flag.FlagSet, args []string) ([]string, error) {
 	var flags, pos []string
 	for i := 0; i < len(args); i++ {
 		a := args[i]
 		if strings.HasPrefix(a, "-") {
 			flags = append(flags, a)
-			if !strings.Contains(a, "=") && i+1 < len(args) && a != "-h" && a != "--help" {
+			// A flag's value follows it unless given with "=" or the flag is a boolean.
+			name := strings.TrimLeft(a, "-")
+			isBool := false
+			if f := fs.Lookup(name); f != nil {
+				if bf, ok := f.Value.(interface{ IsBoolFlag() bool }); ok && bf.IsBoolFlag() {
+					isBool = true
+				}
+			}
+			if !strings.Contains(a, "=") && !isBool && i+1 < len(args) && a != "-h" && a != "--help" {
 				flags = append(flags, args[i+1])
 				i++
 			}
@@ -301,13 +441,9 @@ func (c *cli) oneID(fs *flag.FlagSet, action string, args []string) (string, err
 		pos = append(pos, a)
 	}
 	if err := parse(fs, flags); err != nil {
-		return "", err
+		return nil, err
 	}
-	if len(pos) != 1 {
-		fmt.Fprintf(c.stderr, "onceflow saga %s: give exactly one saga id (see onceflow saga list)\n", action)
-		return "", errUsage
-	}
-	return pos[0], nil
+	return append(pos, fs.Args()...), nil
 }
 
 // plural is "1 attempt", "2 attempts".

@@ -142,6 +142,7 @@ var Imports = map[string]string{
 	"retention":       "github.com/onceflow/onceflow/retention",
 	"migrations":      "github.com/onceflow/onceflow/migrations",
 	"onceflowtest":    "github.com/onceflow/onceflow/onceflowtest",
+	"console":         "github.com/onceflow/onceflow/console",
 }
 
 // Ambient maps the names a statement block may use without declaring them to their types:

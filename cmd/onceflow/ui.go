@@ -1,0 +1,114 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/onceflow/onceflow/console"
+)
+
+const uiSynopsis = `ui [flags]
+
+Serves the operator console (package console) over HTTP: is anything stuck, sagas with their
+timelines, the outbox and its parked rows, inbox poison messages, idempotency keys.
+
+Read-only unless --actions is given (saga retry and compensate, replay of parked rows,
+deletion of poison rows; each POST carries a CSRF token and is logged with the user's name).
+
+Credentials come from the environment, never from flags (flags show in ps):
+  ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD  HTTP basic authentication
+  ONCEFLOW_UI_TOKEN                          "Authorization: Bearer <token>" (or as the basic-auth password)
+Without them the console serves only a loopback address (127.0.0.1, ::1, localhost), for an
+SSH tunnel or a kubectl port-forward; any other address is refused. Serve it over TLS (a
+reverse proxy) when it leaves the host.`
+
+func (c *cli) runUI(ctx context.Context, args []string) error {
+	fs := c.newFlagSet("ui", uiSynopsis)
+	db := c.addDBFlags(fs)
+	addr := fs.String("addr", c.envOr("ONCEFLOW_UI_ADDR", "127.0.0.1:8080"), "listen `address`; a non-loopback one needs a credential [ONCEFLOW_UI_ADDR]")
+	actions := fs.Bool("actions", false, "switch on the buttons that change something (default: read-only)")
+	refresh := fs.Duration("refresh", 10*time.Second, "how often the overview reloads itself (0: never)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	creds := console.Credentials{User: c.getenv("ONCEFLOW_UI_USER"), Password: c.getenv("ONCEFLOW_UI_PASSWORD"), Token: c.getenv("ONCEFLOW_UI_TOKEN")}
+	c.secrets.addLiteral(creds.Password)
+	c.secrets.addLiteral(creds.Token)
+	hasCreds := creds.Token != "" || creds.User != "" || creds.Password != ""
+	host, _, err := net.SplitHostPort(*addr)
+	if err != nil {
+		return fmt.Errorf("--addr %q is not host:port (e.g. 127.0.0.1:8080): %w", *addr, err)
+	}
+	if !hasCreds && !isLoopback(host) {
+		return fmt.Errorf("--addr %q is reachable from other hosts, and no credential is set: set ONCEFLOW_UI_TOKEN, "+
+			"or ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD, in the environment (not as flags: they show in ps), or listen on 127.0.0.1", *addr)
+	}
+	r := *refresh
+	if r == 0 {
+		r = -1 // console.Config: negative is never, 0 the default
+	}
+	pool, err := db.connectMigrated(ctx, "onceflow-ui")
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	logger := slog.New(slog.NewTextHandler(c.stderr, nil))
+	h, err := console.New(console.Config{DB: pool, Schema: db.schema, Actions: *actions, Refresh: r, Logger: logger})
+	if err != nil {
+		return err
+	}
+	var handler http.Handler = h
+	if hasCreds {
+		if handler, err = console.RequireCredentials(h, creds); err != nil {
+			return fmt.Errorf("%w (set ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD together, or ONCEFLOW_UI_TOKEN)", err)
+		}
+	}
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", *addr)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: 30 * time.Second,
+		WriteTimeout: time.Minute, IdleTimeout: 2 * time.Minute, ErrorLog: slog.NewLogLogger(logger.Handler(), slog.LevelWarn)}
+	mode, auth := "read-only", "no credential (loopback only)"
+	if *actions {
+		mode = "actions on"
+	}
+	if hasCreds {
+		auth = "credential required"
+	}
+	fmt.Fprintf(c.stdout, "onceflow ui: schema %q at http://%s/ (%s, %s); Ctrl-C stops it\n", db.schema, ln.Addr(), mode, auth)
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		return err
+	}
+	if err := <-errc; !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
+}
+
+// isLoopback reports whether host names only this machine. An empty host (":8080") is every
+// interface, so not loopback.
+func isLoopback(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}

@@ -1,0 +1,247 @@
+// Package console is onceflow's operator console: server-rendered pages that show whether
+// anything is stuck (relays, outbox backlog, parked rows, poison messages, sagas) and, when
+// actions are switched on, recover it (retry or compensate a saga, replay parked outbox rows,
+// delete handled poison rows).
+//
+// New returns an http.Handler. Mount it in a service behind the service's own authentication
+// middleware, or run `onceflow ui`, which requires a credential unless it listens on loopback:
+//
+//	h, err := console.New(console.Config{DB: pool, Schema: "onceflow", Prefix: "/ops"})
+//	mux.Handle("/ops/", requireOperator(h))
+//
+// The console is read-only unless Config.Actions is set. Every action is a POST with a CSRF
+// token, refused without it; every page carries a strict Content-Security-Policy (no script
+// at all: the overview refreshes itself with a meta refresh); every value is escaped by
+// html/template; no connection string is ever rendered. Invalid ids and filters get a 400 page
+// and change nothing. Each action is logged with the user (see ContextWithUser) and what it
+// did.
+package console
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"html/template"
+	"io/fs"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/saga"
+)
+
+// DB is what the console needs from the database: a *pgxpool.Pool (or a *pgx.Conn, for a
+// console that serves one request at a time).
+type DB interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Config configures the console. Only DB is required.
+type Config struct {
+	// DB holds the onceflow tables (required).
+	DB DB
+	// Schema holding the onceflow tables. Default "onceflow".
+	Schema string
+	// Prefix is the path the handler is mounted at, e.g. "/ops" for mux.Handle("/ops/", h):
+	// links are built under it and requests outside it are not found. Default "" (the root).
+	Prefix string
+	// Actions switches on the buttons that change something: saga retry and compensate,
+	// replay of parked outbox rows, deletion of poison rows. Default false: read-only.
+	Actions bool
+	// Thresholds decide what the overview reports stuck. Default: DefaultThresholds().
+	Thresholds Thresholds
+	// Refresh is how often the overview reloads itself. Default 10 s; negative: never.
+	Refresh time.Duration
+	// Logger receives one line per action (who, what, outcome). Default slog.Default().
+	Logger *slog.Logger
+	// Sagas are the saga definitions the service runs (any *saga.Definition[D]), if the
+	// console is mounted where they are at hand: with a saga's definition the console refuses
+	// to compensate a saga past its pivot up front, instead of filing a request the
+	// orchestrator drops. Optional.
+	Sagas []saga.Known
+}
+
+// validate fills the defaults and reports every problem at once.
+func (c *Config) validate() error {
+	var problems []string
+	if c.DB == nil {
+		problems = append(problems, "DB is nil: pass the *pgxpool.Pool holding the onceflow tables")
+	}
+	if c.Schema == "" {
+		c.Schema = pgsql.DefaultSchema
+	}
+	if err := pgsql.ValidateSchema(c.Schema); err != nil {
+		problems = append(problems, err.Error())
+	}
+	c.Prefix = strings.TrimSuffix(c.Prefix, "/")
+	if c.Prefix != "" && (!strings.HasPrefix(c.Prefix, "/") || strings.ContainsAny(c.Prefix, "?#\"'<> ")) {
+		problems = append(problems, fmt.Sprintf("Prefix %q is not a path like /ops", c.Prefix))
+	}
+	if c.Thresholds == (Thresholds{}) {
+		c.Thresholds = DefaultThresholds()
+	}
+	if c.Refresh == 0 {
+		c.Refresh = 10 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	if len(problems) > 0 {
+		return fmt.Errorf("console: %s", strings.Join(problems, "; "))
+	}
+	return nil
+}
+
+//go:embed templates/*.html
+var templateFS embed.FS
+
+//go:embed static
+var staticFS embed.FS
+
+// Console is the console's http.Handler.
+type Console struct {
+	cfg   Config
+	sagas *saga.Admin
+	relay *relay.Admin
+	pages map[string]*template.Template
+	mux   *http.ServeMux
+}
+
+// New returns the console for cfg.
+func New(cfg Config) (*Console, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	sa, err := saga.NewAdmin(cfg.Schema, cfg.Sagas...)
+	if err != nil {
+		return nil, err
+	}
+	ra, err := relay.NewAdmin(cfg.Schema)
+	if err != nil {
+		return nil, err
+	}
+	c := &Console{cfg: cfg, sagas: sa, relay: ra, pages: map[string]*template.Template{}}
+	if err := c.parseTemplates(); err != nil {
+		return nil, err
+	}
+	c.routes()
+	return c, nil
+}
+
+func (c *Console) routes() {
+	m := http.NewServeMux()
+	static, _ := fs.Sub(staticFS, "static")
+	m.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
+	m.HandleFunc("GET /{$}", c.overview)
+	m.HandleFunc("GET /sagas", c.sagaList)
+	m.HandleFunc("GET /sagas/{id}", c.sagaPage)
+	m.HandleFunc("GET /sagas/{id}/{action}", c.sagaConfirm)
+	m.HandleFunc("POST /sagas/{id}/{action}", c.sagaAction)
+	m.HandleFunc("GET /bulk/sagas/{action}", c.bulkConfirm)
+	m.HandleFunc("POST /bulk/sagas/{action}", c.bulkAction)
+	m.HandleFunc("GET /outbox", c.outboxPage)
+	m.HandleFunc("GET /outbox/find", c.outboxFind)
+	m.HandleFunc("GET /outbox/parked", c.outboxParked)
+	m.HandleFunc("GET /outbox/replay", c.outboxReplayConfirm)
+	m.HandleFunc("POST /outbox/replay", c.outboxReplay)
+	m.HandleFunc("GET /inbox", c.inboxPage)
+	m.HandleFunc("GET /inbox/delete", c.poisonBulkConfirm)
+	m.HandleFunc("POST /inbox/delete", c.poisonBulkDelete)
+	m.HandleFunc("GET /inbox/{id}", c.poisonPage)
+	m.HandleFunc("GET /inbox/{id}/delete", c.poisonDeleteConfirm)
+	m.HandleFunc("POST /inbox/{id}/delete", c.poisonDelete)
+	m.HandleFunc("GET /idempotency", c.idempotencyPage)
+	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+	})
+	c.mux = m
+}
+
+// ServeHTTP serves the console's pages under Config.Prefix.
+func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	h := w.Header()
+	// No script runs anywhere; styles and images come from the console itself; forms post
+	// only to it; no other site may frame it (clickjacking of the action buttons).
+	h.Set("Content-Security-Policy", "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+	h.Set("X-Content-Type-Options", "nosniff")
+	h.Set("X-Frame-Options", "DENY")
+	h.Set("Referrer-Policy", "no-referrer")
+	h.Set("Cache-Control", "no-store")
+	path := r.URL.Path
+	if c.cfg.Prefix != "" {
+		if path != c.cfg.Prefix && !strings.HasPrefix(path, c.cfg.Prefix+"/") {
+			c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+			return
+		}
+		path = strings.TrimPrefix(path, c.cfg.Prefix)
+		if path == "" {
+			path = "/"
+		}
+		r2 := r.Clone(r.Context())
+		r2.URL.Path = path
+		// The escaped form too (as http.StripPrefix does): a saga id may contain "/", which
+		// only the escaped path keeps inside one segment.
+		r2.URL.RawPath = strings.TrimPrefix(r.URL.RawPath, c.cfg.Prefix)
+		r = r2
+	}
+	c.mux.ServeHTTP(w, r)
+}
+
+type userKey struct{}
+
+// ContextWithUser returns ctx carrying the name of the authenticated user, which the console
+// logs with every action. Set it in the authentication middleware in front of the console;
+// without it the console logs the basic-auth user name, or "anonymous".
+func ContextWithUser(ctx context.Context, name string) context.Context {
+	return context.WithValue(ctx, userKey{}, name)
+}
+
+func userOf(r *http.Request) string {
+	if u, ok := r.Context().Value(userKey{}).(string); ok && u != "" {
+		return u
+	}
+	if u, _, ok := r.BasicAuth(); ok && u != "" {
+		return u
+	}
+	return "anonymous"
+}
+
+// errBadInput marks an error caused by the request (a 400), as opposed to the database.
+var errBadInput = errors.New("bad input")
+
+func badInput(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", errBadInput, fmt.Sprintf(format, args...))
+}
+
+// failErr renders the page for err: 400 with its text for bad input or a saga the request
+// does not apply to, 404 for a missing saga, 500 (text logged, not shown) otherwise: a
+// database error can name internals an operator's browser need not see.
+func (c *Console) failErr(w http.ResponseWriter, r *http.Request, err error) {
+	switch {
+	case errors.Is(err, errBadInput):
+		c.fail(w, r, http.StatusBadRequest, strings.TrimPrefix(err.Error(), errBadInput.Error()+": "))
+	case errors.Is(err, saga.ErrNotFound):
+		c.fail(w, r, http.StatusNotFound, err.Error())
+	case errors.Is(err, saga.ErrWrongState), errors.Is(err, saga.ErrBadFilter), errors.Is(err, relay.ErrEmptyReplayFilter):
+		c.fail(w, r, http.StatusBadRequest, err.Error())
+	case r.Context().Err() != nil:
+		// The client went away; nothing to render.
+	default:
+		c.cfg.Logger.Error("console: request failed", "method", r.Method, "path", r.URL.Path, "user", userOf(r), "err", err)
+		c.fail(w, r, http.StatusInternalServerError, "The database query failed; the service's log has the error.")
+	}
+}
+
+func (c *Console) fail(w http.ResponseWriter, r *http.Request, status int, msg string) {
+	c.render(w, r, status, "error", map[string]any{"Status": status, "StatusText": http.StatusText(status), "Message": msg})
+}

@@ -1,0 +1,323 @@
+package console
+
+import (
+	"encoding/hex"
+	"errors"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+)
+
+// poisonRow is one row of inbox_poison.
+type poisonRow struct {
+	ID          int64
+	Consumer    string
+	DedupKey    *string
+	MessageUUID string
+	Source      string
+	Attempts    int
+	FailedAt    time.Time
+	Error       string
+	Metadata    map[string]string
+	Payload     []byte
+}
+
+type inboxData struct {
+	Consumer  string
+	Rows      []poisonRow
+	Next      string
+	Deleted   bool
+	DeleteAll string // the bulk delete's confirmation for Consumer
+}
+
+// poisonPageSize is one page of the poison list, newest first, keyset-paginated on id.
+const poisonPageSize = 100
+
+func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) {
+	consumer, err := param(r, "consumer")
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	before := int64(1<<63 - 1)
+	if b := r.URL.Query().Get("before"); b != "" {
+		if before, err = strconv.ParseInt(b, 10, 64); err != nil || before < 1 {
+			c.failErr(w, r, badInput("before %q is not a row id", b))
+			return
+		}
+	}
+	// On inbox_poison_consumer_idx (consumer, id) with a consumer, the primary key without.
+	rows, err := c.cfg.DB.Query(r.Context(), `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, ''::bytea
+		FROM `+pgsql.Table(c.cfg.Schema, "inbox_poison")+` WHERE ($1 = '' OR consumer = $1) AND id < $2 ORDER BY id DESC LIMIT $3`,
+		consumer, before, poisonPageSize)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	list, err := pgx.CollectRows(rows, pgx.RowToStructByPos[poisonRow])
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := inboxData{Consumer: consumer, Rows: list, Deleted: r.URL.Query().Get("deleted") == "1", DeleteAll: c.link("/inbox/delete") + query("consumer", consumer)}
+	if len(list) == poisonPageSize {
+		v.Next = c.link("/inbox") + query("consumer", consumer, "before", strconv.FormatInt(list[len(list)-1].ID, 10))
+	}
+	c.render(w, r, http.StatusOK, "inbox", v)
+}
+
+// poisonID reads the {id} of a poison row's URL.
+func poisonID(r *http.Request) (int64, error) {
+	s := r.PathValue("id")
+	id, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || id < 1 {
+		return 0, badInput("%q is not a poison row id", shorten(40, s))
+	}
+	return id, nil
+}
+
+var errNoPoison = errors.New("no poison row with this id (deleted already?)")
+
+func (c *Console) loadPoison(r *http.Request, id int64) (*poisonRow, error) {
+	rows, err := c.cfg.DB.Query(r.Context(), `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, payload
+		FROM `+pgsql.Table(c.cfg.Schema, "inbox_poison")+` WHERE id = $1`, id)
+	if err != nil {
+		return nil, err
+	}
+	p, err := pgx.CollectExactlyOneRow(rows, pgx.RowToAddrOfStructByPos[poisonRow])
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, errNoPoison
+	}
+	return p, err
+}
+
+func (c *Console) poisonPage(w http.ResponseWriter, r *http.Request) {
+	id, err := poisonID(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	p, err := c.loadPoison(r, id)
+	if errors.Is(err, errNoPoison) {
+		c.fail(w, r, http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
+		return
+	}
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, http.StatusOK, "poison", p)
+}
+
+func (c *Console) poisonDeleteConfirm(w http.ResponseWriter, r *http.Request) {
+	id, err := poisonID(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	p, err := c.loadPoison(r, id)
+	if errors.Is(err, errNoPoison) {
+		c.fail(w, r, http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
+		return
+	}
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	back := c.link("/inbox/" + strconv.FormatInt(id, 10))
+	c.render(w, r, http.StatusOK, "confirm", confirmData{
+		Title: "Delete poison row " + strconv.FormatInt(id, 10) + " of consumer " + p.Consumer,
+		Effect: "Delete removes the row from inbox_poison once the message is handled. Its dedup row stays, " +
+			"so a redelivery of the message is still skipped; nothing is re-applied.",
+		Action: back + "/delete", Back: back})
+}
+
+func (c *Console) poisonDelete(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	id, err := poisonID(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	var consumer string
+	err = c.cfg.DB.QueryRow(r.Context(), `DELETE FROM `+pgsql.Table(c.cfg.Schema, "inbox_poison")+` WHERE id = $1 RETURNING consumer`, id).Scan(&consumer)
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = badInput("there is no poison row %d (deleted already?); nothing was deleted", id)
+	}
+	c.logAction(r, "inbox poison delete", err, "poison_id", id, "consumer", consumer)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	http.Redirect(w, r, c.link("/inbox")+query("consumer", consumer, "deleted", "1"), http.StatusSeeOther)
+}
+
+// poisonFilter reads a bulk delete's filter: a consumer (required: a click never deletes every
+// consumer's rows) and, optionally, text the error contains.
+func poisonFilter(get func(string) string) (consumer, errText string, err error) {
+	consumer, errText = strings.TrimSpace(get("consumer")), strings.TrimSpace(get("error"))
+	if err := checkText("consumer", consumer); err != nil {
+		return "", "", err
+	}
+	if err := checkText("error", errText); err != nil {
+		return "", "", err
+	}
+	if consumer == "" {
+		return "", "", badInput("choose the consumer whose poison rows to delete")
+	}
+	return consumer, errText, nil
+}
+
+// poisonWhere selects a consumer's poison rows whose error contains $2 (” = any), on
+// inbox_poison_consumer_idx.
+const poisonWhere = ` WHERE consumer = $1 AND ($2 = '' OR strpos(lower(error), lower($2)) > 0)`
+
+// poisonBulkCap bounds one bulk delete (and its dry-run count): poison rows are few, and a
+// larger cleanup is several clicks, each logged.
+const poisonBulkCap = 10_000
+
+func (c *Console) poisonBulkConfirm(w http.ResponseWriter, r *http.Request) {
+	consumer, errText, err := poisonFilter(r.URL.Query().Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	var n int64
+	var first []int64
+	if err := c.cfg.DB.QueryRow(r.Context(), `SELECT count(*), (array_agg(id ORDER BY id))[1:20] FROM (SELECT id FROM `+
+		pgsql.Table(c.cfg.Schema, "inbox_poison")+poisonWhere+` ORDER BY id LIMIT $3) s`, consumer, errText, poisonBulkCap).Scan(&n, &first); err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := confirmData{Title: "Delete poison rows of consumer " + consumer, Action: c.link("/inbox/delete"), Back: c.link("/inbox") + query("consumer", consumer),
+		Effect: "Delete removes the selected rows from inbox_poison once their messages are handled. Their dedup rows stay, " +
+			"so redeliveries are still skipped; nothing is re-applied.",
+		Hidden: map[string]string{"consumer": consumer, "error": errText}, Count: n, More: n >= poisonBulkCap, Takes: n >= poisonBulkCap}
+	for _, id := range first {
+		v.IDs = append(v.IDs, strconv.FormatInt(id, 10))
+	}
+	if n == 0 {
+		v.Refusal = "No poison row matches: there is nothing to delete."
+	}
+	c.render(w, r, http.StatusOK, "confirm", v)
+}
+
+func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	consumer, errText, err := poisonFilter(r.PostForm.Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	table := pgsql.Table(c.cfg.Schema, "inbox_poison")
+	tag, err := c.cfg.DB.Exec(r.Context(), `DELETE FROM `+table+` WHERE id IN (SELECT id FROM `+table+poisonWhere+` ORDER BY id LIMIT $3)`,
+		consumer, errText, poisonBulkCap)
+	n := tag.RowsAffected()
+	if err == nil && n == 0 {
+		err = badInput("no poison row of consumer %q matches; nothing was deleted", consumer)
+	}
+	c.logAction(r, "inbox poison delete", err, "consumer", consumer, "error_contains", errText, "deleted", n)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	http.Redirect(w, r, c.link("/inbox")+query("consumer", consumer, "deleted", "1"), http.StatusSeeOther)
+}
+
+// REPLAY (issue 25, item 1) belongs here: a POST /inbox/{id}/replay (and by filter) that
+// re-drives a poison message through its own consumer exactly once. It waits for the replay
+// core (inbox package); poison.html shows where its button goes.
+
+// idemRecord is one row of idempotency_record.
+type idemRecord struct {
+	Owner       string
+	Key         string
+	Fingerprint string
+	Status      int
+	Headers     map[string]string
+	Body        []byte
+	Stored      bool // false: the response exceeded the storage cap and was not kept
+	CreatedAt   time.Time
+	ExpiresAt   time.Time
+}
+
+type idemData struct {
+	Owner, Key string
+	Searched   bool
+	Record     *idemRecord
+	Keys       []idemRecord
+	Now        time.Time
+}
+
+// maxBodyShown bounds the stored response body rendered into the page.
+const maxBodyShown = 64 << 10
+
+func (c *Console) idempotencyPage(w http.ResponseWriter, r *http.Request) {
+	p, err := params(r, "owner", "key")
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := idemData{Owner: p["owner"], Key: p["key"], Now: time.Now()}
+	if v.Key != "" && v.Owner == "" {
+		c.failErr(w, r, badInput("keys are scoped per owner: give the owner too"))
+		return
+	}
+	if v.Owner == "" {
+		c.render(w, r, http.StatusOK, "idempotency", v)
+		return
+	}
+	v.Searched = true
+	table := pgsql.Table(c.cfg.Schema, "idempotency_record")
+	scan := func(row pgx.CollectableRow) (idemRecord, error) {
+		var rec idemRecord
+		var fp []byte
+		var hdr map[string][]string
+		err := row.Scan(&rec.Owner, &rec.Key, &fp, &rec.Status, &hdr, &rec.Body, &rec.Stored, &rec.CreatedAt, &rec.ExpiresAt)
+		rec.Fingerprint = hex.EncodeToString(fp)
+		rec.Headers = map[string]string{}
+		for k, vals := range hdr {
+			rec.Headers[k] = strings.Join(vals, ", ")
+		}
+		return rec, err
+	}
+	ctx := r.Context()
+	if v.Key != "" {
+		rows, err := c.cfg.DB.Query(ctx, `SELECT owner, idem_key, fingerprint, status, headers, substring(coalesce(body, ''::bytea) for $3), body IS NOT NULL, created_at, expires_at
+			FROM `+table+` WHERE owner = $1 AND idem_key = $2`, v.Owner, v.Key, maxBodyShown)
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		recs, err := pgx.CollectRows(rows, scan)
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		if len(recs) > 0 {
+			v.Record = &recs[0]
+		}
+	} else {
+		// The owner's keys, on the primary key (owner, idem_key): a bounded range scan.
+		rows, err := c.cfg.DB.Query(ctx, `SELECT owner, idem_key, fingerprint, status, '{}'::jsonb, ''::bytea, body IS NOT NULL, created_at, expires_at
+			FROM `+table+` WHERE owner = $1 ORDER BY idem_key LIMIT 100`, v.Owner)
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		if v.Keys, err = pgx.CollectRows(rows, scan); err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+	}
+	c.render(w, r, http.StatusOK, "idempotency", v)
+}

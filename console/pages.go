@@ -1,0 +1,635 @@
+package console
+
+import (
+	"errors"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/saga"
+)
+
+// maxParam bounds every text a filter or id takes: enough for any topic, key or saga id,
+// small enough that a request cannot make the database compare megabytes.
+const maxParam = 512
+
+// param returns the query parameter name, refusing text no id or filter can hold.
+func param(r *http.Request, name string) (string, error) {
+	v := strings.TrimSpace(r.URL.Query().Get(name))
+	return v, checkText(name, v)
+}
+
+func checkText(name, v string) error {
+	if len(v) > maxParam {
+		return badInput("%s is %d bytes long; at most %d", name, len(v), maxParam)
+	}
+	if !utf8.ValidString(v) || strings.ContainsFunc(v, unicode.IsControl) {
+		return badInput("%s contains control characters or invalid UTF-8", name)
+	}
+	return nil
+}
+
+// params reads several query parameters, reporting the first bad one.
+func params(r *http.Request, names ...string) (map[string]string, error) {
+	out := map[string]string{}
+	for _, n := range names {
+		v, err := param(r, n)
+		if err != nil {
+			return nil, err
+		}
+		out[n] = v
+	}
+	return out, nil
+}
+
+func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
+	st, err := ReadStatus(r.Context(), c.cfg.DB, c.cfg.Schema, c.cfg.Thresholds)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, http.StatusOK, "overview", st)
+}
+
+// sagaFilterNames are the saga list's query parameters (and the bulk actions' filter).
+var sagaFilterNames = []string{"name", "version", "state", "step", "error", "id", "older", "after", "limit"}
+
+// sagaFilter reads the saga list's filter from the query: every problem is a 400.
+func sagaFilter(r *http.Request) (saga.ListFilter, map[string]string, error) {
+	return sagaFilterFrom(r.URL.Query().Get)
+}
+
+// sagaFilterFrom reads the saga list's filter from a query or a posted form.
+func sagaFilterFrom(get func(string) string) (saga.ListFilter, map[string]string, error) {
+	p := map[string]string{}
+	for _, n := range sagaFilterNames {
+		v := strings.TrimSpace(get(n))
+		if err := checkText(n, v); err != nil {
+			return saga.ListFilter{}, nil, err
+		}
+		p[n] = v
+	}
+	f := saga.ListFilter{Name: p["name"], State: saga.State(p["state"]), Step: p["step"], Error: p["error"], IDPrefix: p["id"], After: p["after"]}
+	if v := p["version"]; v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 {
+			return f, p, badInput("version %q is not a definition version (1, 2, ...)", v)
+		}
+		f.Version = n
+	}
+	if v := p["older"]; v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			return f, p, badInput("older %q is not a positive duration such as 30m or 2h", v)
+		}
+		f.StartedBefore = time.Now().Add(-d)
+	}
+	if v := p["limit"]; v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > saga.MaxListLimit {
+			return f, p, badInput("limit %q is not a number between 1 and %d", v, saga.MaxListLimit)
+		}
+		f.Limit = n
+	}
+	return f, p, nil
+}
+
+type sagaListPage struct {
+	F      map[string]string
+	States []saga.State
+	Page   saga.Page
+	Next   string // URL of the next page, "" on the last
+	// BulkRetry and BulkCompensate link to the bulk actions over the filter ("" when no
+	// filter is set: a bulk action never applies to every saga).
+	BulkRetry, BulkCompensate string
+}
+
+func (c *Console) sagaList(w http.ResponseWriter, r *http.Request) {
+	f, p, err := sagaFilter(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	page, err := c.sagas.ListPage(r.Context(), c.cfg.DB, f)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := sagaListPage{F: p, Page: page,
+		States: []saga.State{saga.StateRunning, saga.StateCompensating, saga.StateStuck, saga.StateCompleted, saga.StateCompensated}}
+	q := url.Values{}
+	for _, n := range sagaFilterNames {
+		if p[n] != "" && n != "after" && n != "limit" {
+			q.Set(n, p[n])
+		}
+	}
+	if len(q) > 0 {
+		v.BulkRetry, v.BulkCompensate = c.link("/bulk/sagas/retry")+"?"+q.Encode(), c.link("/bulk/sagas/compensate")+"?"+q.Encode()
+	}
+	if page.Next != "" {
+		q.Set("after", page.Next)
+		if p["limit"] != "" {
+			q.Set("limit", p["limit"])
+		}
+		v.Next = c.link("/sagas") + "?" + q.Encode()
+	}
+	c.render(w, r, http.StatusOK, "sagas", v)
+}
+
+// sagaID reads and checks the {id} of a saga URL.
+func sagaID(r *http.Request) (string, error) {
+	id := r.PathValue("id")
+	if id == "" {
+		return "", badInput("no saga id")
+	}
+	return id, checkText("the saga id", id)
+}
+
+// timelineEvent is one line of a saga's timeline.
+type timelineEvent struct {
+	At      time.Time
+	Step    string
+	What    string
+	EventID string
+	Topic   string
+	Error   string
+}
+
+type sagaPageData struct {
+	D         *saga.Detail
+	TraceID   string
+	Timeline  []timelineEvent
+	Requested string // the request just filed, from the redirect after a POST
+	CanRetry  bool
+	CanComp   bool
+	PastPivot bool // on or past its pivot: it can only go forward
+	Barriers  []saga.Barrier
+}
+
+func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
+	id, err := sagaID(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	d, err := c.sagas.Get(r.Context(), c.cfg.DB, id)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := sagaPageData{D: d, Timeline: timeline(d), CanRetry: d.State == saga.StateStuck, CanComp: d.State == saga.StateRunning}
+	if v.Barriers, err = c.sagas.Barriers(r.Context(), c.cfg.DB, d); err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	if past, _ := c.sagas.PastPivot(d); past {
+		v.CanComp, v.PastPivot = false, true
+	}
+	// traceparent: version-traceid-spanid-flags.
+	if parts := strings.Split(d.TraceParent, "-"); len(parts) == 4 {
+		v.TraceID = parts[1]
+	}
+	switch r.URL.Query().Get("requested") { // a fixed set: nothing of the query is echoed
+	case "retry":
+		v.Requested = "Retry requested: a running orchestrator carries it out within its timer interval."
+	case "compensate":
+		v.Requested = "Compensation requested: a running orchestrator carries it out within its timer interval."
+	}
+	c.render(w, r, http.StatusOK, "saga", v)
+}
+
+// timeline orders what the saga's history records: steps started and finished, and every
+// command sent, with its event id.
+func timeline(d *saga.Detail) []timelineEvent {
+	var out []timelineEvent
+	for _, s := range d.Steps {
+		kind := "remote"
+		if s.Local {
+			kind = "local"
+		}
+		if s.StartedAt != nil {
+			out = append(out, timelineEvent{At: *s.StartedAt, Step: s.Name, What: "started (" + kind + " step)"})
+		}
+		for _, cmd := range s.Sent {
+			out = append(out, timelineEvent{At: cmd.At, Step: s.Name, What: string(cmd.Phase) + " command, attempt " + strconv.Itoa(cmd.Attempt),
+				EventID: cmd.EventID, Topic: cmd.Topic})
+		}
+		if s.FinishedAt != nil {
+			out = append(out, timelineEvent{At: *s.FinishedAt, Step: s.Name, What: "finished: " + s.Status, Error: s.LastError})
+		}
+	}
+	slices.SortStableFunc(out, func(a, b timelineEvent) int { return a.At.Compare(b.At) })
+	return out
+}
+
+// sagaActions are what the saga page's buttons ask for, and what the confirmation says.
+var sagaActions = map[string]struct{ title, effect, state string }{
+	"retry": {"Retry", "files a retry request for this stuck saga. A running orchestrator with the saga's definition " +
+		"carries it out within its timer interval and resumes the saga. Fix the cause of the error first.", string(saga.StateStuck)},
+	"compensate": {"Compensate", "files a compensation request for this running saga. A running orchestrator stops it and " +
+		"compensates the steps that took effect, last first (the current step too: its compensation is a no-op if its action never ran). " +
+		"A saga past its pivot can only go forward and is refused.", string(saga.StateRunning)},
+}
+
+type confirmData struct {
+	Title   string
+	Effect  string
+	Refusal string // why the action does not apply; no button then
+	Action  string // form target
+	Back    string
+	Hidden  map[string]string
+	Count   int64
+	IDs     []string
+	More    bool // Count is capped: more match
+	Takes   bool // the action takes only IDs, though more match
+}
+
+func (c *Console) sagaConfirm(w http.ResponseWriter, r *http.Request) {
+	id, err := sagaID(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	act, ok := sagaActions[r.PathValue("action")]
+	if !ok {
+		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+		return
+	}
+	d, err := c.sagas.Get(r.Context(), c.cfg.DB, id)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	back := c.link("/sagas/" + url.PathEscape(id))
+	v := confirmData{Title: act.title + " saga " + id, Effect: act.title + " " + act.effect, Action: back + "/" + r.PathValue("action"), Back: back}
+	if string(d.State) != act.state {
+		v.Refusal = "The saga is " + string(d.State) + "; only a " + act.state + " saga can be asked to " + r.PathValue("action") + "."
+	} else if past, _ := c.sagas.PastPivot(d); past && r.PathValue("action") == "compensate" {
+		v.Refusal = "The saga is at step " + d.Step + ", on or past its pivot: it can only go forward, and the orchestrator would drop a compensation."
+	}
+	c.render(w, r, http.StatusOK, "confirm", v)
+}
+
+func (c *Console) sagaAction(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	id, err := sagaID(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	action := r.PathValue("action")
+	if _, ok := sagaActions[action]; !ok {
+		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+		return
+	}
+	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
+		if action == "retry" {
+			return c.sagas.RetryTx(r.Context(), tx, id)
+		}
+		return c.sagas.CompensateTx(r.Context(), tx, id)
+	})
+	c.logAction(r, "saga "+action, err, "saga_id", id)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	http.Redirect(w, r, c.link("/sagas/"+url.PathEscape(id))+"?requested="+action, http.StatusSeeOther)
+}
+
+// bulkLimit is how many sagas one bulk action acts on; the page says when more match.
+const bulkLimit = 100
+
+type bulkData struct {
+	Title    string
+	Action   string
+	Result   saga.BulkResult
+	Refusals []string
+	Back     string
+}
+
+// bulkFilter reads a bulk action's filter; an empty filter is refused, so no click acts on
+// every saga of the schema.
+func bulkFilter(get func(string) string) (saga.ListFilter, map[string]string, error) {
+	f, p, err := sagaFilterFrom(get)
+	if err != nil {
+		return f, p, err
+	}
+	f.After, f.Limit, p["after"], p["limit"] = "", 0, "", ""
+	if f == (saga.ListFilter{}) {
+		return f, p, badInput("a bulk action needs a filter (a state, a definition, ...): it never applies to every saga")
+	}
+	return f, p, nil
+}
+
+func (c *Console) bulkConfirm(w http.ResponseWriter, r *http.Request) {
+	action := r.PathValue("action")
+	act, ok := sagaActions[action]
+	if !ok {
+		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+		return
+	}
+	f, p, err := bulkFilter(r.URL.Query().Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	res, err := c.bulk(r, action, f, true)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := confirmData{Title: act.title + " the selected sagas", Action: c.link("/bulk/sagas/" + action), Back: c.link("/sagas") + "?" + r.URL.RawQuery,
+		Effect: act.title + " " + act.effect + " It is filed for each selected saga in its own transaction; a saga it does not apply to is reported and left alone.",
+		Hidden: p, Count: int64(len(res.Matched)), IDs: res.Matched, More: res.More, Takes: res.More}
+	if len(res.Matched) == 0 {
+		v.Refusal = "No saga matches this filter: there is nothing to " + action + "."
+	}
+	c.render(w, r, http.StatusOK, "confirm", v)
+}
+
+func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	action := r.PathValue("action")
+	act, ok := sagaActions[action]
+	if !ok {
+		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+		return
+	}
+	f, p, err := bulkFilter(r.PostForm.Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	res, err := c.bulk(r, action, f, false)
+	c.logAction(r, "saga bulk "+action, err, "filter", p, "requested", len(res.Requested), "refused", len(res.Refused), "saga_ids", res.Requested)
+	if err != nil && len(res.Requested) == 0 {
+		c.failErr(w, r, err)
+		return
+	}
+	v := bulkData{Title: act.title + ": " + strconv.Itoa(len(res.Requested)) + " of " + strconv.Itoa(len(res.Matched)) + " sagas requested",
+		Action: action, Result: res, Back: c.link("/sagas") + query("state", p["state"], "name", p["name"])}
+	for _, rf := range res.Refused {
+		v.Refusals = append(v.Refusals, rf.ID+": "+rf.Err.Error())
+	}
+	if err != nil {
+		v.Refusals = append(v.Refusals, "stopped: the database failed; the service's log has the error")
+	}
+	c.render(w, r, http.StatusOK, "bulk", v)
+}
+
+func (c *Console) bulk(r *http.Request, action string, f saga.ListFilter, dry bool) (saga.BulkResult, error) {
+	o := saga.BulkOptions{DryRun: dry, Limit: bulkLimit}
+	if action == "retry" {
+		return c.sagas.RetryMatching(r.Context(), c.cfg.DB, f, o)
+	}
+	return c.sagas.CompensateMatching(r.Context(), c.cfg.DB, f, o)
+}
+
+// logAction writes the action log line: who (the authenticated name), what, on what, and how
+// it ended.
+func (c *Console) logAction(r *http.Request, what string, err error, args ...any) {
+	args = append([]any{"user", userOf(r), "action", what, "schema", c.cfg.Schema, "remote", r.RemoteAddr}, args...)
+	if err != nil {
+		c.cfg.Logger.Warn("console: action refused or failed", append(args, "err", err)...)
+		return
+	}
+	c.cfg.Logger.Info("console: action", args...)
+}
+
+// pendingSample is how many of the oldest waiting rows the outbox page groups by key.
+const pendingSample = 10_000
+
+type outboxData struct {
+	Backlog   relay.Backlog
+	Keys      []relay.KeyBacklog
+	Sample    int
+	Topic     string
+	Key       string
+	Rows      []relay.Row
+	CheckedAt time.Time
+}
+
+func (c *Console) outboxPage(w http.ResponseWriter, r *http.Request) {
+	p, err := params(r, "topic", "key")
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	ctx := r.Context()
+	b, err := c.relay.Backlog(ctx, c.cfg.DB)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := outboxData{Backlog: b, Sample: pendingSample, Topic: p["topic"], Key: p["key"], CheckedAt: b.CheckedAt}
+	if v.Keys, err = c.relay.PendingByKey(ctx, c.cfg.DB, pendingSample, 200); err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	if v.Topic != "" || v.Key != "" {
+		if v.Rows, err = c.relay.Pending(ctx, c.cfg.DB, relay.PendingFilter{Topic: v.Topic, Key: v.Key, Limit: 100}); err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+	}
+	c.render(w, r, http.StatusOK, "outbox", v)
+}
+
+type findData struct {
+	EventID  string
+	Searched bool
+	Where    string // pending, parked or "" (published, or never written)
+	Row      relay.Row
+	Parked   *relay.ParkedRow
+}
+
+func (c *Console) outboxFind(w http.ResponseWriter, r *http.Request) {
+	id, err := param(r, "event_id")
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := findData{EventID: id}
+	if id == "" {
+		c.render(w, r, http.StatusOK, "find", v)
+		return
+	}
+	if _, err := uuid.Parse(id); err != nil {
+		c.failErr(w, r, badInput("event id %q is not a UUID", id))
+		return
+	}
+	v.Searched = true
+	ctx := r.Context()
+	// No index on outbox.event_id (it would cost every business commit): this is one scan of
+	// the waiting rows, as `onceflow outbox find` does.
+	rows, err := c.cfg.DB.Query(ctx, `SELECT id, event_id::text, topic, partition_key, octet_length(payload), metadata, created_at, attempts, coalesce(last_error, '')
+		FROM `+pgsql.Table(c.cfg.Schema, "outbox")+` WHERE event_id = $1::uuid LIMIT 1`, id)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	found, err := pgx.CollectRows(rows, pgx.RowToStructByPos[relay.Row])
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	if len(found) > 0 {
+		v.Where, v.Row = "pending", found[0]
+	} else {
+		parked, err := c.relay.Parked(ctx, c.cfg.DB, relay.ParkedFilter{EventIDs: []string{id}, Limit: 1})
+		if err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+		if len(parked) > 0 {
+			v.Where, v.Parked = "parked", &parked[0]
+		}
+	}
+	c.render(w, r, http.StatusOK, "find", v)
+}
+
+// parkedFilter reads a parked-row filter from a form or query: id (comma-separated),
+// event_id, topic, key, all=1.
+func parkedFilter(get func(string) string) (relay.ParkedFilter, map[string]string, error) {
+	p := map[string]string{}
+	for _, n := range []string{"id", "event_id", "topic", "key", "all"} {
+		v := strings.TrimSpace(get(n))
+		if err := checkText(n, v); err != nil {
+			return relay.ParkedFilter{}, nil, err
+		}
+		p[n] = v
+	}
+	f := relay.ParkedFilter{Topic: p["topic"], Key: p["key"], All: p["all"] == "1"}
+	for _, s := range strings.Split(p["id"], ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			continue
+		}
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || n < 1 {
+			return f, p, badInput("id %q is not a row id", s)
+		}
+		f.IDs = append(f.IDs, n)
+	}
+	for _, s := range strings.Split(p["event_id"], ",") {
+		if s = strings.TrimSpace(s); s == "" {
+			continue
+		}
+		if _, err := uuid.Parse(s); err != nil {
+			return f, p, badInput("event id %q is not a UUID", s)
+		}
+		f.EventIDs = append(f.EventIDs, s)
+	}
+	return f, p, nil
+}
+
+type parkedData struct {
+	F        map[string]string
+	Rows     []relay.ParkedRow
+	Next     string
+	Replayed string
+}
+
+func (c *Console) outboxParked(w http.ResponseWriter, r *http.Request) {
+	f, p, err := parkedFilter(r.URL.Query().Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	if a := r.URL.Query().Get("after"); a != "" {
+		n, err := strconv.ParseInt(a, 10, 64)
+		if err != nil || n < 0 {
+			c.failErr(w, r, badInput("after %q is not a row id", a))
+			return
+		}
+		f.AfterID = n
+	}
+	f.Limit = 100
+	rows, err := c.relay.Parked(r.Context(), c.cfg.DB, f)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := parkedData{F: p, Rows: rows}
+	if len(rows) == f.Limit {
+		v.Next = c.link("/outbox/parked") + query("topic", p["topic"], "key", p["key"], "after", strconv.FormatInt(rows[len(rows)-1].ID, 10))
+	}
+	if n, err := strconv.Atoi(r.URL.Query().Get("replayed")); err == nil && n > 0 {
+		v.Replayed = strconv.Itoa(n) + " parked rows moved back into the outbox; the relays publish them with their original event ids."
+	}
+	c.render(w, r, http.StatusOK, "parked", v)
+}
+
+// replayDryRunCap bounds the dry run's count: a replay larger than this is shown as "more".
+const replayDryRunCap = 100_000
+
+func (c *Console) outboxReplayConfirm(w http.ResponseWriter, r *http.Request) {
+	f, p, err := parkedFilter(r.URL.Query().Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	n, first, err := c.relay.CountParked(r.Context(), c.cfg.DB, f, replayDryRunCap, 20)
+	if errors.Is(err, relay.ErrEmptyReplayFilter) {
+		c.failErr(w, r, badInput("choose the parked rows to replay: an id, an event id, a topic, a key, or all"))
+		return
+	}
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := confirmData{Title: "Replay parked outbox rows", Action: c.link("/outbox/replay"), Back: c.link("/outbox/parked"),
+		Effect: "Replay moves the selected parked rows back into the outbox with their original event ids, payloads and keys " +
+			"and a fresh attempt count; the relays publish them after the rows already waiting.",
+		Hidden: p, Count: n, More: n >= replayDryRunCap}
+	for _, id := range first {
+		v.IDs = append(v.IDs, strconv.FormatInt(id, 10))
+	}
+	if n == 0 {
+		v.Refusal = "No parked row matches this filter: there is nothing to replay."
+	}
+	c.render(w, r, http.StatusOK, "confirm", v)
+}
+
+func (c *Console) outboxReplay(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	f, p, err := parkedFilter(r.PostForm.Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	if f.IDs == nil && f.EventIDs == nil && f.Topic == "" && f.Key == "" && !f.All {
+		c.failErr(w, r, badInput("choose the parked rows to replay: an id, an event id, a topic, a key, or all"))
+		return
+	}
+	var moved []relay.Replayed
+	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
+		var err error
+		moved, err = c.relay.ReplayTx(r.Context(), tx, f)
+		return err
+	})
+	if err == nil && len(moved) == 0 {
+		err = badInput("no parked row matches this filter (replayed already?); nothing was moved")
+	}
+	c.logAction(r, "outbox replay", err, "filter", p, "moved", len(moved))
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	http.Redirect(w, r, c.link("/outbox/parked")+"?replayed="+strconv.Itoa(len(moved)), http.StatusSeeOther)
+}
