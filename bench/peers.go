@@ -1,0 +1,262 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net/url"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceflow/onceflow/internal/pgsql"
+)
+
+// Shared by the peer rows (saga_vs_dbos, effect_vs_river): a database of its own for a peer
+// on the bench's server, completion bookkeeping keyed by the unit of work's number, and CPU
+// accounting for the bench process and the PostgreSQL server.
+
+// freshDatabase creates an empty database on the bench's server (dropping one left by an
+// earlier run) and returns its URL and a pool on it with the same size as freshSchema's. A
+// peer gets a database of its own because each brings its own schema and migrations (DBOS
+// its "dbos" schema, River its river_* tables in the search path).
+func (e *env) freshDatabase(ctx context.Context, name string) (*pgxpool.Pool, string, error) {
+	e.n++
+	db := fmt.Sprintf("bench_%s_%d", name, e.n)
+	admin, err := pgx.Connect(ctx, e.pgURL)
+	if err != nil {
+		return nil, "", err
+	}
+	defer func() { _ = admin.Close(ctx) }()
+	if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgsql.Ident(db)+" WITH (FORCE)"); err != nil {
+		return nil, "", err
+	}
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgsql.Ident(db)); err != nil {
+		return nil, "", err
+	}
+	u, err := url.Parse(e.pgURL)
+	if err != nil {
+		return nil, "", fmt.Errorf("DATABASE_URL must be a postgres:// URL for the peer rows: %w", err)
+	}
+	u.Path = "/" + db
+	cfg, err := pgxpool.ParseConfig(u.String())
+	if err != nil {
+		return nil, "", err
+	}
+	cfg.MaxConns = 32
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, "", err
+	}
+	return pool, u.String(), nil
+}
+
+// completions records, per unit of work (a saga, an effect) numbered n, when it completed.
+// A unit seen twice keeps its last time and counts once.
+type completions struct {
+	mu sync.Mutex
+	at map[int]time.Time
+	n  atomic.Int64
+}
+
+func newCompletions() *completions { return &completions{at: map[int]time.Time{}} }
+
+func (c *completions) mark(n int) {
+	now := time.Now()
+	c.mu.Lock()
+	if _, seen := c.at[n]; !seen {
+		c.n.Add(1)
+	}
+	c.at[n] = now
+	c.mu.Unlock()
+}
+
+// wait waits until want units completed.
+func (c *completions) wait(ctx context.Context, want int, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
+	for c.n.Load() < int64(want) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d of %d completed in %s", c.n.Load(), want, limit)
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return nil
+}
+
+// latencies returns, for each n in started, its completion time minus its start time.
+func (c *completions) latencies(started map[int]time.Time) []time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make([]time.Duration, 0, len(started))
+	for n, t0 := range started {
+		if t1, ok := c.at[n]; ok {
+			out = append(out, t1.Sub(t0))
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// runWriters runs fn(n) for n = first … first+total-1 from writers goroutines and returns how
+// long they took.
+func runWriters(writers, first, total int, fn func(n int) error) (time.Duration, error) {
+	began := time.Now()
+	var next atomic.Int64
+	next.Store(int64(first) - 1)
+	var wg sync.WaitGroup
+	errs := make(chan error, writers)
+	for range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				n := int(next.Add(1))
+				if n >= first+total {
+					return
+				}
+				if err := fn(n); err != nil {
+					errs <- fmt.Errorf("writer, unit %d: %w", n, err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	return time.Since(began), <-errs
+}
+
+// paced calls fn(n) for n = first … first+count-1 at rate per second, on a schedule (a slow
+// call does not push back the ones after it), and returns each n's start time.
+func paced(ctx context.Context, rate, first, count int, fn func(n int) error) (map[int]time.Time, error) {
+	started := make(map[int]time.Time, count)
+	begin := time.Now().Add(10 * time.Millisecond)
+	for i := range count {
+		time.Sleep(time.Until(begin.Add(time.Duration(i) * time.Second / time.Duration(rate))))
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		n := first + i
+		started[n] = time.Now()
+		if err := fn(n); err != nil {
+			return nil, fmt.Errorf("unit %d: %w", n, err)
+		}
+	}
+	return started, nil
+}
+
+// cpuMeter measures CPU time (user + system) of the bench process and, when the server is a
+// local PostgreSQL this process can see in /proc, of the server's processes.
+type cpuMeter struct {
+	postmaster int // 0: server CPU unknown
+}
+
+func newCPUMeter(ctx context.Context, pool *pgxpool.Pool) *cpuMeter {
+	var backend int
+	if err := pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&backend); err != nil {
+		return &cpuMeter{}
+	}
+	st, err := procStat(backend)
+	if err != nil {
+		return &cpuMeter{} // a remote server (DATABASE_URL elsewhere)
+	}
+	pm, err := procStat(st.ppid)
+	if err != nil || !strings.HasPrefix(pm.comm, "postgres") {
+		return &cpuMeter{}
+	}
+	return &cpuMeter{postmaster: st.ppid}
+}
+
+// cpuSample is CPU time used so far.
+type cpuSample struct{ process, server time.Duration }
+
+func (m *cpuMeter) sample() cpuSample {
+	var s cpuSample
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err == nil {
+		s.process = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	if m.postmaster == 0 {
+		return s
+	}
+	// The postmaster's own time plus its reaped children's (cutime, cstime: backends that
+	// exited), plus every live child's.
+	if pm, err := procStat(m.postmaster); err == nil {
+		s.server = pm.cpu + pm.children
+	}
+	entries, _ := os.ReadDir("/proc")
+	for _, d := range entries {
+		pid, err := strconv.Atoi(d.Name())
+		if err != nil || pid == m.postmaster {
+			continue
+		}
+		if st, err := procStat(pid); err == nil && st.ppid == m.postmaster {
+			s.server += st.cpu
+		}
+	}
+	return s
+}
+
+type procStatus struct {
+	comm          string
+	ppid          int
+	cpu, children time.Duration
+}
+
+// procStat reads /proc/<pid>/stat: the command, parent pid, utime+stime and cutime+cstime.
+func procStat(pid int) (procStatus, error) {
+	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "stat"))
+	if err != nil {
+		return procStatus{}, err
+	}
+	s := string(b)
+	open, end := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
+	if open < 0 || end < open {
+		return procStatus{}, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	f := strings.Fields(s[end+1:]) // f[0] is the state (field 3)
+	if len(f) < 15 {
+		return procStatus{}, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
+	}
+	num := func(i int) int64 { v, _ := strconv.ParseInt(f[i], 10, 64); return v }
+	const tick = time.Second / 100 // USER_HZ is 100 on Linux
+	ppid, _ := strconv.Atoi(f[1])
+	return procStatus{
+		comm:     s[open+1 : end],
+		ppid:     ppid,
+		cpu:      time.Duration(num(11)+num(12)) * tick,
+		children: time.Duration(num(13)+num(14)) * tick,
+	}, nil
+}
+
+// peerSelected says whether a peer row runs system: all of them unless BENCH_PEERS lists
+// some (comma-separated), for investigating one system without running the others.
+func peerSelected(system string) bool {
+	only := os.Getenv("BENCH_PEERS")
+	return only == "" || slices.Contains(strings.Split(only, ","), system)
+}
+
+func envInt(name string, def int) int {
+	if n, err := strconv.Atoi(os.Getenv(name)); err == nil && n > 0 {
+		return n
+	}
+	return def
+}
+
+func envDuration(name string, def time.Duration) time.Duration {
+	if d, err := time.ParseDuration(os.Getenv(name)); err == nil && d > 0 {
+		return d
+	}
+	return def
+}
