@@ -26,10 +26,12 @@ import (
 // row, as a DBOS Transact workflow of three RunAsTransaction steps and as an onceflow saga,
 // on the same PostgreSQL server (fsync on), in the same run.
 //
-// Every system is measured by the same harness (measureSagaPeer): a warm-up unit, then
-// peerSagas units started by peerSagaWriters writers (throughput: first start → last
-// completion; "started in": the writers' own time), then peerLatencySagas units started at
-// peerLatencyRate per second by one writer (latency: the writer's call → completion).
+// Every system is measured by the same harness (runPeers, rounds alternating between the
+// systems): peerSagas units started by peerSagaWriters writers in 3 rounds (throughput:
+// units ÷ the rounds' time, each round from its first start to its last completion;
+// "started in": the writers' own time), then peerLatencySagas units started at
+// peerLatencyRate per second by one writer in 5 rounds (latency: the writer's call →
+// completion).
 // "Completed" is taken, for every system, inside the transaction that completes the unit,
 // after its last write and before its COMMIT: the last step's transaction function for DBOS,
 // the saga's OnCompleted hook for onceflow (both run in that transaction). Each system's
@@ -51,155 +53,100 @@ const (
 CREATE TABLE step_effect (n bigint NOT NULL, step text NOT NULL, PRIMARY KEY (n, step))`
 )
 
-// sagaPeer is one system of the row, ready to start units.
-type sagaPeer struct {
-	start func(ctx context.Context, n int) error
-	done  *completions
-	pool  *pgxpool.Pool // where orders and step_effect live, for the final check
-	stop  func() error
-}
-
-// sagaPeerFigures are one system's measurements.
-type sagaPeerFigures struct {
-	rate      float64 // units/s, first start → last completion
-	startedIn time.Duration
-	p50, p99  time.Duration
-}
-
 func benchSagaVsDBOS(ctx context.Context, e *env) ([]result, error) {
-	systems := []struct {
+	setups := []struct {
 		name, what string
-		setup      func(context.Context, *env) (*sagaPeer, error)
+		setup      func(context.Context, *env) (*peerSystem, error)
 	}{
-		{"dbos", "DBOS workflow enqueued in the business tx (queue defaults)", func(ctx context.Context, e *env) (*sagaPeer, error) {
+		{"dbos", "DBOS workflow enqueued in the business tx (WithEnqueueTransaction), queue defaults (polled every 1 s)", func(ctx context.Context, e *env) (*peerSystem, error) {
 			return setupDBOS(ctx, e, dbosEnqueue, 0)
 		}},
-		{"dbos-queue-10ms", "the same, queue polled every 10 ms", func(ctx context.Context, e *env) (*sagaPeer, error) {
+		{"dbos-queue-10ms", "the same, the queue polled every 10 ms", func(ctx context.Context, e *env) (*peerSystem, error) {
 			return setupDBOS(ctx, e, dbosEnqueue, 10*time.Millisecond)
 		}},
-		{"dbos-direct", "DBOS workflow run by the writer (RunWorkflow), order row in step 1's tx", func(ctx context.Context, e *env) (*sagaPeer, error) {
+		{"dbos-direct", "DBOS workflow started by the writer (RunWorkflow), order row in step 1's transaction", func(ctx context.Context, e *env) (*peerSystem, error) {
 			return setupDBOS(ctx, e, dbosDirect, 0)
 		}},
-		{"onceflow", "onceflow saga, three local steps run in the business tx (RunLocalSteps)", func(ctx context.Context, e *env) (*sagaPeer, error) {
+		{"onceflow", "onceflow saga, three local steps run in the business tx (StartTx with RunLocalSteps)", func(ctx context.Context, e *env) (*peerSystem, error) {
 			return setupOnceflowSaga(ctx, e, onceflowLocal)
 		}},
-		{"onceflow-deferred", "onceflow saga, three local steps run by the orchestrator's timer", func(ctx context.Context, e *env) (*sagaPeer, error) {
+		{"onceflow-deferred", "onceflow saga, three local steps run by the orchestrator (StartTx; its timer, every 200 ms)", func(ctx context.Context, e *env) (*peerSystem, error) {
 			return setupOnceflowSaga(ctx, e, onceflowDeferred)
 		}},
-		{"onceflow-remote", "onceflow saga, three remote steps (relay, kfake, batched participants)", func(ctx context.Context, e *env) (*sagaPeer, error) {
+		{"onceflow-remote", "onceflow saga, three remote steps (relay, kfake, batched participants and orchestrator)", func(ctx context.Context, e *env) (*peerSystem, error) {
 			return setupOnceflowSaga(ctx, e, onceflowRemote)
 		}},
 	}
-	figs := map[string]sagaPeerFigures{}
-	var order []string
-	for _, s := range systems {
+	var systems []*peerSystem
+	for _, s := range setups {
 		if !peerSelected(s.name) {
 			continue
 		}
-		p, err := s.setup(ctx, e)
+		sys, err := s.setup(ctx, e)
 		if err != nil {
+			for _, up := range systems {
+				_ = up.stop()
+			}
 			return nil, fmt.Errorf("%s: %w", s.name, err)
 		}
-		fig, err := measureSagaPeer(ctx, s.name, p)
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", s.name, err)
-		}
-		fmt.Fprintf(os.Stderr, "  saga_vs_dbos %-17s %7.0f sagas/s, started in %s, p50 %s p99 %s  (%s)\n",
-			s.name, fig.rate, fig.startedIn.Round(time.Millisecond), fig.p50.Round(10*time.Microsecond), fig.p99.Round(10*time.Microsecond), s.what)
-		figs[s.name] = fig
-		order = append(order, s.name)
+		sys.name, sys.what = s.name, s.what
+		systems = append(systems, sys)
 	}
-	of, db := figs["onceflow"], figs["dbos"]
+	plan := peerPlan{row: "saga_vs_dbos", writers: peerSagaWriters, rounds: 3, perRound: peerSagas / 3,
+		latencyRounds: 5, perLatency: peerLatencySagas / 5, rate: peerLatencyRate}
+	if err := runPeers(ctx, plan, systems); err != nil {
+		return nil, err
+	}
+	by := map[string]*peerSystem{}
+	for _, s := range systems {
+		by[s.name] = s
+		fmt.Fprintf(os.Stderr, "  saga_vs_dbos %-17s %7.0f sagas/s, started in %s, p50 %s p99 %s  (%s)\n",
+			s.name, s.rate(), s.written.Round(time.Millisecond), percentile(s.latency, 50).Round(10*time.Microsecond),
+			percentile(s.latency, 99).Round(10*time.Microsecond), s.what)
+	}
+	of, db := by["onceflow"], by["dbos"]
 	var out []result
-	for _, name := range order {
-		f := figs[name]
-		r := result{Scenario: "saga_vs_dbos", System: name, Value: f.rate, Unit: "sagas/s", HigherIsBetter: true}
-		if name != "dbos" {
-			r.Versus = fmt.Sprintf("%.2f× dbos", f.rate/db.rate)
+	for _, s := range systems {
+		r := result{Scenario: "saga_vs_dbos", System: s.name, Value: s.rate(), Unit: "sagas/s", HigherIsBetter: true}
+		if db != nil && s != db {
+			r.Versus = fmt.Sprintf("%.2f× dbos", s.rate()/db.rate())
 		}
-		if name == "onceflow" {
-			r.Target = "≥ 1.0× dbos " + mark(of.rate >= db.rate)
+		if of != nil && db != nil && s == of {
+			r.Target = "≥ 1.0× dbos " + mark(of.rate() >= db.rate())
 		}
 		out = append(out, r)
 	}
-	for _, name := range order {
-		out = append(out, result{Scenario: "saga_vs_dbos_started_in", System: name, Value: figs[name].startedIn.Seconds(), Unit: "s", Versus: "-"})
+	for _, s := range systems {
+		out = append(out, result{Scenario: "saga_vs_dbos_started_in", System: s.name, Value: s.written.Seconds(), Unit: "s", Versus: "-"})
 	}
-	for _, name := range order {
-		out = append(out, result{Scenario: "saga_vs_dbos_p50", System: name, Value: ms(figs[name].p50), Unit: "ms", Versus: "-"})
+	for _, s := range systems {
+		out = append(out, result{Scenario: "saga_vs_dbos_p50", System: s.name, Value: ms(percentile(s.latency, 50)), Unit: "ms", Versus: "-"})
 	}
-	for _, name := range order {
-		r := result{Scenario: "saga_vs_dbos_p99", System: name, Value: ms(figs[name].p99), Unit: "ms", Versus: "-"}
-		if name == "onceflow" {
-			r.Target = fmt.Sprintf("lower than dbos at %d/s %s", peerLatencyRate, mark(of.p99 < db.p99))
+	for _, s := range systems {
+		r := result{Scenario: "saga_vs_dbos_p99", System: s.name, Value: ms(percentile(s.latency, 99)), Unit: "ms", Versus: "-"}
+		if of != nil && db != nil && s == of {
+			r.Target = fmt.Sprintf("lower than dbos at %d/s %s", peerLatencyRate, mark(percentile(of.latency, 99) < percentile(db.latency, 99)))
 		}
 		out = append(out, r)
 	}
 	return out, nil
 }
 
-// measureSagaPeer runs the harness on one system and checks, after stopping it, that every
-// unit inserted its order row once and each of its three effects once.
-func measureSagaPeer(ctx context.Context, name string, p *sagaPeer) (fig sagaPeerFigures, err error) {
-	defer p.pool.Close() // after stop (a no-op if stop closed it)
-	stopped := false
-	defer func() {
-		if !stopped {
-			err = errors.Join(err, p.stop())
-		}
-	}()
-	if err := p.start(ctx, 0); err != nil { // warm-up
-		return fig, fmt.Errorf("warm-up: %w", err)
+// checkSagaEffects verifies that want units each inserted their order row once and each of
+// their three effects once.
+func checkSagaEffects(pool *pgxpool.Pool) func(ctx context.Context, want int) error {
+	return func(ctx context.Context, want int) error {
+		return pollUntil(ctx, 10*time.Second, func() error {
+			var orders, effects, distinct int
+			if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM orders), count(*), count(DISTINCT (n, step)) FROM step_effect`).Scan(&orders, &effects, &distinct); err != nil {
+				return err
+			}
+			if orders != want || effects != 3*want || distinct != effects {
+				return fmt.Errorf("%d orders, %d effects (%d distinct), want %d and %d", orders, effects, distinct, want, 3*want)
+			}
+			return nil
+		})
 	}
-	if err := p.done.wait(ctx, 1, time.Minute); err != nil {
-		return fig, fmt.Errorf("warm-up: %w", err)
-	}
-	stopProfile := maybeProfile("saga_vs_dbos-" + name)
-	began := time.Now()
-	startedIn, err := runWriters(peerSagaWriters, 1, peerSagas, func(n int) error { return p.start(ctx, n) })
-	if err != nil {
-		stopProfile()
-		return fig, err
-	}
-	if err := p.done.wait(ctx, 1+peerSagas, 3*time.Minute); err != nil {
-		stopProfile()
-		return fig, err
-	}
-	fig.rate = float64(peerSagas) / time.Since(began).Seconds()
-	fig.startedIn = startedIn
-	stopProfile()
-
-	const first = 100000
-	started, err := paced(ctx, peerLatencyRate, first, peerLatencySagas, func(n int) error { return p.start(ctx, n) })
-	if err != nil {
-		return fig, err
-	}
-	if err := p.done.wait(ctx, 1+peerSagas+peerLatencySagas, time.Minute); err != nil {
-		return fig, err
-	}
-	lat := p.done.latencies(started)
-	fig.p50, fig.p99 = percentile(lat, 50), percentile(lat, 99)
-
-	// Every unit's order row once and each of its effects once (checked before stopping: DBOS's
-	// Shutdown closes the pool it was given; the last commits may still be in flight).
-	want := 1 + peerSagas + peerLatencySagas
-	var orders, effects, distinct int
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if err := p.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM orders), count(*), count(DISTINCT (n, step)) FROM step_effect`).Scan(&orders, &effects, &distinct); err != nil {
-			return fig, err
-		}
-		if orders == want && effects == 3*want && distinct == effects {
-			break
-		}
-		if time.Now().After(deadline) {
-			return fig, fmt.Errorf("%d orders, %d effects (%d distinct), want %d and %d", orders, effects, distinct, want, 3*want)
-		}
-	}
-	stopped = true
-	if err := p.stop(); err != nil {
-		return fig, err
-	}
-	return fig, nil
 }
 
 // How the DBOS workflow is started.
@@ -225,7 +172,7 @@ type dbosOrder struct {
 // RunAsTransaction one transaction (the step's writes and its checkpoint), DBOS's cheapest
 // durable step. Defaults otherwise (JSON serializer, default schema "dbos"); the queue's
 // polling interval is DBOS's default (1 s) unless poll is set.
-func setupDBOS(ctx context.Context, e *env, mode int, poll time.Duration) (*sagaPeer, error) {
+func setupDBOS(ctx context.Context, e *env, mode int, poll time.Duration) (*peerSystem, error) {
 	pool, _, err := e.freshDatabase(ctx, "dbos")
 	if err != nil {
 		return nil, err
@@ -239,7 +186,7 @@ func setupDBOS(ctx context.Context, e *env, mode int, poll time.Duration) (*saga
 		pool.Close()
 		return nil, err
 	}
-	fail := func(err error) (*sagaPeer, error) {
+	fail := func(err error) (*peerSystem, error) {
 		_ = dbos.Shutdown(dctx, 10*time.Second)
 		pool.Close()
 		return nil, err
@@ -285,7 +232,11 @@ func setupDBOS(ctx context.Context, e *env, mode int, poll time.Duration) (*saga
 	if err := dbos.Launch(dctx); err != nil {
 		return fail(err)
 	}
-	p := &sagaPeer{done: done, pool: pool, stop: func() error { return dbos.Shutdown(dctx, 30*time.Second) }}
+	p := &peerSystem{done: done, check: checkSagaEffects(pool), stop: func() error {
+		err := dbos.Shutdown(dctx, 30*time.Second)
+		pool.Close()
+		return err
+	}}
 	switch mode {
 	case dbosEnqueue:
 		p.start = func(ctx context.Context, n int) error {
@@ -317,7 +268,7 @@ const (
 // orchestrator (its Run loop fires timers), and for remote steps the relay, a kfake cluster
 // with peerSagaWriters partitions per topic, and batched consumers (as the saga row's
 // batched path).
-func setupOnceflowSaga(ctx context.Context, e *env, mode int) (*sagaPeer, error) {
+func setupOnceflowSaga(ctx context.Context, e *env, mode int) (*peerSystem, error) {
 	pool, schema, err := e.freshSchema(ctx, "saga_peer")
 	if err != nil {
 		return nil, err
@@ -431,19 +382,17 @@ func setupOnceflowSaga(ctx context.Context, e *env, mode int) (*sagaPeer, error)
 				all = append(all, err)
 			}
 		}
-		for i := len(cleanups) - 1; i >= 0; i-- {
-			cleanups[i]()
-		}
+		_ = closeAll(pool, cleanups)
 		return errors.Join(all...)
 	}
 	opts := []saga.StartOption{saga.WithWriter(w)}
 	if mode == onceflowLocal {
 		opts = append(opts, saga.RunLocalSteps())
 	}
-	return &sagaPeer{
-		done: done,
-		pool: pool,
-		stop: stop,
+	return &peerSystem{
+		done:  done,
+		check: checkSagaEffects(pool),
+		stop:  stop,
 		start: func(ctx context.Context, n int) error {
 			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 				if _, err := tx.Exec(ctx, peerOrderSQL, n, benchPayload); err != nil {

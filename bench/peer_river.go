@@ -29,13 +29,14 @@ import (
 // dedup row commits with the effect). Same PostgreSQL server (fsync on), same payload, same
 // pool size (32 connections), in the same run.
 //
-// Throughput: effectPeerUnits business transactions from effectPeerWriters writers while the
-// consumer side runs; time from the first write to the last effect committed, and the
-// writers' own time. Latency: one writer at effectPeerRate per second, effectPeerLatency
-// units; from just before the business transaction's COMMIT to the return of the effect
+// Every system is measured by the same harness (runPeers, rounds alternating between the
+// systems). Throughput: effectPeerUnits business transactions from effectPeerWriters writers
+// in 4 rounds, while the consumer side runs; units ÷ the rounds' time, each round from its
+// first write to its last effect committed; and the writers' own time. Latency: one writer at
+// effectPeerRate per second, effectPeerLatency units in 4 rounds; from just before the business transaction's COMMIT to the return of the effect
 // transaction's COMMIT (River: the worker's tx.Commit; onceflow: ProcessBatch, which returns
 // after COMMIT). CPU: user + system time of the bench process (which also runs kfake for
-// onceflow) over the throughput phase, per 1,000 effects, and of the PostgreSQL server when it
+// onceflow) over the throughput rounds, per 1,000 effects, and of the PostgreSQL server when it
 // is local.
 var effectPeerUnits = envInt("BENCH_EFFECT_UNITS", 20000)
 
@@ -54,152 +55,95 @@ CREATE TABLE peer_effect (id bigserial PRIMARY KEY, n bigint NOT NULL, payload b
 	benchNHeader          = "bench_n"
 )
 
-// effectPeer is one system of the row, ready to take business transactions.
-type effectPeer struct {
-	write    func(ctx context.Context, n int) error
-	enqueued *completions // marked just before the business transaction's COMMIT
-	done     *completions // marked when the effect's transaction has committed
-	pool     *pgxpool.Pool
-	stop     func() error
-}
-
-type effectPeerFigures struct {
-	rate              float64 // effects/s
-	writtenIn         time.Duration
-	p50, p99          time.Duration
-	cpuProc, cpuSrv   float64 // CPU seconds per 1,000 effects
-	serverCPUObserved bool
-}
-
 func benchEffectVsRiver(ctx context.Context, e *env) ([]result, error) {
-	systems := []struct {
+	setups := []struct {
 		name, what string
-		setup      func(context.Context, *env) (*effectPeer, error)
+		setup      func(context.Context, *env) (*peerSystem, error)
 	}{
-		{"river", "River, default client settings (MaxWorkers 100 as in River's docs)", func(ctx context.Context, e *env) (*effectPeer, error) {
+		{"river", "River, default client settings (MaxWorkers 100, as in River's docs)", func(ctx context.Context, e *env) (*peerSystem, error) {
 			return setupRiver(ctx, e, river.QueueConfig{MaxWorkers: 100})
 		}},
-		{"river-tuned", fmt.Sprintf("River, MaxWorkers %d, FetchCooldown %s, FetchPollInterval %s", riverTuned.MaxWorkers, riverTuned.FetchCooldown, riverTuned.FetchPollInterval), func(ctx context.Context, e *env) (*effectPeer, error) {
+		{"river-tuned", fmt.Sprintf("River, MaxWorkers %d, FetchCooldown %s, FetchPollInterval %s", riverTuned.MaxWorkers, riverTuned.FetchCooldown, riverTuned.FetchPollInterval), func(ctx context.Context, e *env) (*peerSystem, error) {
 			return setupRiver(ctx, e, riverTuned)
 		}},
 		{"onceflow", "outbox.WriteTx, one relay, kfake, inboxkafka.BatchConsumer (8 partitions, 8 workers)", setupEffectOnceflow},
 	}
-	figs := map[string]effectPeerFigures{}
-	var order []string
-	for _, s := range systems {
+	var systems []*peerSystem
+	for _, s := range setups {
 		if !peerSelected(s.name) {
 			continue
 		}
-		p, err := s.setup(ctx, e)
+		sys, err := s.setup(ctx, e)
 		if err != nil {
+			for _, up := range systems {
+				_ = up.stop()
+			}
 			return nil, fmt.Errorf("%s: %w", s.name, err)
 		}
-		fig, err := measureEffectPeer(ctx, s.name, p)
-		if err != nil {
-			return nil, fmt.Errorf("%s: %w", s.name, err)
-		}
-		fmt.Fprintf(os.Stderr, "  effect_vs_river %-11s %7.0f effects/s, written in %s, p50 %s p99 %s, CPU/1k: process %.2f s, server %.2f s  (%s)\n",
-			s.name, fig.rate, fig.writtenIn.Round(time.Millisecond), fig.p50.Round(10*time.Microsecond), fig.p99.Round(10*time.Microsecond), fig.cpuProc, fig.cpuSrv, s.what)
-		figs[s.name] = fig
-		order = append(order, s.name)
+		sys.name, sys.what = s.name, s.what
+		systems = append(systems, sys)
 	}
-	of, rv := figs["onceflow"], figs["river"]
+	const rounds, latencyRounds = 4, 4
+	plan := peerPlan{row: "effect_vs_river", writers: effectPeerWriters, rounds: rounds, perRound: effectPeerUnits / rounds,
+		latencyRounds: latencyRounds, perLatency: effectPeerLatency / latencyRounds, rate: effectPeerRate}
+	if err := runPeers(ctx, plan, systems); err != nil {
+		return nil, err
+	}
+	perK := func(d time.Duration, s *peerSystem) float64 { return d.Seconds() / (float64(s.units) / 1000) }
+	by := map[string]*peerSystem{}
+	for _, s := range systems {
+		by[s.name] = s
+		fmt.Fprintf(os.Stderr, "  effect_vs_river %-11s %7.0f effects/s, written in %s, p50 %s p99 %s, CPU/1k: process %.2f s, server %.2f s  (%s)\n",
+			s.name, s.rate(), s.written.Round(time.Millisecond), percentile(s.latency, 50).Round(10*time.Microsecond),
+			percentile(s.latency, 99).Round(10*time.Microsecond), perK(s.cpuProcess, s), perK(s.cpuServer, s), s.what)
+	}
+	of, rv := by["onceflow"], by["river"]
 	var out []result
-	for _, name := range order {
-		f := figs[name]
-		r := result{Scenario: "effect_vs_river", System: name, Value: f.rate, Unit: "effects/s", HigherIsBetter: true}
-		if name != "river" {
-			r.Versus = fmt.Sprintf("%.2f× river", f.rate/rv.rate)
+	for _, s := range systems {
+		r := result{Scenario: "effect_vs_river", System: s.name, Value: s.rate(), Unit: "effects/s", HigherIsBetter: true}
+		if rv != nil && s != rv {
+			r.Versus = fmt.Sprintf("%.2f× river", s.rate()/rv.rate())
 		}
-		if name == "onceflow" {
-			r.Target = "≥ 1.0× river " + mark(of.rate >= rv.rate)
+		if of != nil && rv != nil && s == of {
+			r.Target = "≥ 1.0× river " + mark(of.rate() >= rv.rate())
 		}
 		out = append(out, r)
 	}
-	for _, name := range order {
-		out = append(out, result{Scenario: "effect_vs_river_written_in", System: name, Value: figs[name].writtenIn.Seconds(), Unit: "s", Versus: "-"})
+	for _, s := range systems {
+		out = append(out, result{Scenario: "effect_vs_river_written_in", System: s.name, Value: s.written.Seconds(), Unit: "s", Versus: "-"})
 	}
-	for _, name := range order {
-		out = append(out, result{Scenario: "effect_vs_river_p50", System: name, Value: ms(figs[name].p50), Unit: "ms", Versus: "-"})
+	for _, s := range systems {
+		out = append(out, result{Scenario: "effect_vs_river_p50", System: s.name, Value: ms(percentile(s.latency, 50)), Unit: "ms", Versus: "-"})
 	}
-	for _, name := range order {
-		out = append(out, result{Scenario: "effect_vs_river_p99", System: name, Value: ms(figs[name].p99), Unit: "ms", Versus: "-"})
+	for _, s := range systems {
+		out = append(out, result{Scenario: "effect_vs_river_p99", System: s.name, Value: ms(percentile(s.latency, 99)), Unit: "ms", Versus: "-"})
 	}
-	for _, name := range order {
-		out = append(out, result{Scenario: "effect_vs_river_cpu", System: name, Value: figs[name].cpuProc, Unit: "cpu-s/1k", Versus: "-", Target: "bench process"})
+	for _, s := range systems {
+		out = append(out, result{Scenario: "effect_vs_river_cpu", System: s.name, Value: perK(s.cpuProcess, s), Unit: "cpu-s/1k", Versus: "-", Target: "bench process"})
 	}
-	for _, name := range order {
-		if figs[name].serverCPUObserved {
-			out = append(out, result{Scenario: "effect_vs_river_cpu_server", System: name, Value: figs[name].cpuSrv, Unit: "cpu-s/1k", Versus: "-", Target: "PostgreSQL"})
+	for _, s := range systems {
+		if s.meter != nil && s.meter.postmaster != 0 {
+			out = append(out, result{Scenario: "effect_vs_river_cpu_server", System: s.name, Value: perK(s.cpuServer, s), Unit: "cpu-s/1k", Versus: "-", Target: "PostgreSQL"})
 		}
 	}
 	return out, nil
 }
 
-// measureEffectPeer runs the harness on one system and checks, before stopping it, that every
-// business row exists once and every effect was applied exactly once.
-func measureEffectPeer(ctx context.Context, name string, p *effectPeer) (fig effectPeerFigures, err error) {
-	defer p.pool.Close()
-	stopped := false
-	defer func() {
-		if !stopped {
-			err = errors.Join(err, p.stop())
-		}
-	}()
-	if err := p.write(ctx, 0); err != nil { // warm-up
-		return fig, fmt.Errorf("warm-up: %w", err)
+// checkEffectPeer verifies that want business rows exist and each unit's effect was applied
+// exactly once.
+func checkEffectPeer(pool *pgxpool.Pool) func(ctx context.Context, want int) error {
+	return func(ctx context.Context, want int) error {
+		return pollUntil(ctx, 10*time.Second, func() error {
+			var business, effects, distinct int
+			if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM business), count(*), count(DISTINCT n) FROM peer_effect`).Scan(&business, &effects, &distinct); err != nil {
+				return err
+			}
+			if business != want || effects != want || distinct != want {
+				return fmt.Errorf("%d business rows, %d effects (%d distinct), want %d", business, effects, distinct, want)
+			}
+			return nil
+		})
 	}
-	if err := p.done.wait(ctx, 1, time.Minute); err != nil {
-		return fig, fmt.Errorf("warm-up: %w", err)
-	}
-	meter := newCPUMeter(ctx, p.pool)
-	stopProfile := maybeProfile("effect_vs_river-" + name)
-	cpu0 := meter.sample()
-	began := time.Now()
-	writtenIn, err := runWriters(effectPeerWriters, 1, effectPeerUnits, func(n int) error { return p.write(ctx, n) })
-	if err != nil {
-		stopProfile()
-		return fig, err
-	}
-	if err := p.done.wait(ctx, 1+effectPeerUnits, 5*time.Minute); err != nil {
-		stopProfile()
-		return fig, err
-	}
-	took := time.Since(began)
-	cpu1 := meter.sample()
-	stopProfile()
-	fig.rate = float64(effectPeerUnits) / took.Seconds()
-	fig.writtenIn = writtenIn
-	fig.cpuProc = (cpu1.process - cpu0.process).Seconds() / (float64(effectPeerUnits) / 1000)
-	fig.cpuSrv = (cpu1.server - cpu0.server).Seconds() / (float64(effectPeerUnits) / 1000)
-	fig.serverCPUObserved = meter.postmaster != 0
-
-	const first = 100000
-	if _, err := paced(ctx, effectPeerRate, first, effectPeerLatency, func(n int) error { return p.write(ctx, n) }); err != nil {
-		return fig, err
-	}
-	if err := p.done.wait(ctx, 1+effectPeerUnits+effectPeerLatency, time.Minute); err != nil {
-		return fig, err
-	}
-	p.enqueued.mu.Lock()
-	started := make(map[int]time.Time, effectPeerLatency)
-	for n := first; n < first+effectPeerLatency; n++ {
-		started[n] = p.enqueued.at[n]
-	}
-	p.enqueued.mu.Unlock()
-	lat := p.done.latencies(started)
-	fig.p50, fig.p99 = percentile(lat, 50), percentile(lat, 99)
-
-	want := 1 + effectPeerUnits + effectPeerLatency
-	var business, effects, distinct int
-	if err := p.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM business), count(*), count(DISTINCT n) FROM peer_effect`).Scan(&business, &effects, &distinct); err != nil {
-		return fig, err
-	}
-	if business != want || effects != want || distinct != want {
-		return fig, fmt.Errorf("%d business rows, %d effects (%d distinct), want %d", business, effects, distinct, want)
-	}
-	stopped = true
-	return fig, p.stop()
 }
 
 // riverTuned is the tuned River client of the row (BENCH_RIVER_WORKERS, BENCH_RIVER_COOLDOWN
@@ -248,12 +192,12 @@ func (w *peerEffectWorker) Work(ctx context.Context, job *river.Job[peerEffectAr
 
 // setupRiver migrates River's tables (rivermigrate, all versions) into a database of its own,
 // with the business tables beside them, and starts a client with queue on the default queue.
-func setupRiver(ctx context.Context, e *env, queue river.QueueConfig) (*effectPeer, error) {
+func setupRiver(ctx context.Context, e *env, queue river.QueueConfig) (*peerSystem, error) {
 	pool, _, err := e.freshDatabase(ctx, "river")
 	if err != nil {
 		return nil, err
 	}
-	fail := func(err error) (*effectPeer, error) { pool.Close(); return nil, err }
+	fail := func(err error) (*peerSystem, error) { pool.Close(); return nil, err }
 	if _, err := pool.Exec(ctx, effectPeerTablesSQL); err != nil {
 		return fail(err)
 	}
@@ -279,16 +223,19 @@ func setupRiver(ctx context.Context, e *env, queue river.QueueConfig) (*effectPe
 	if err := client.Start(ctx); err != nil {
 		return fail(err)
 	}
-	return &effectPeer{
+	return &peerSystem{
 		enqueued: enqueued,
 		done:     done,
-		pool:     pool,
+		check:    checkEffectPeer(pool),
+		meter:    newCPUMeter(ctx, pool),
 		stop: func() error {
 			sctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			return client.Stop(sctx)
+			err := client.Stop(sctx)
+			pool.Close()
+			return err
 		},
-		write: func(ctx context.Context, n int) error {
+		start: func(ctx context.Context, n int) error {
 			tx, err := pool.Begin(ctx)
 			if err != nil {
 				return err
@@ -309,12 +256,12 @@ func setupRiver(ctx context.Context, e *env, queue river.QueueConfig) (*effectPe
 // setupEffectOnceflow: a fresh schema, an 8-partition topic on the bench's kfake, one relay
 // with its defaults and the batched consumer as the inbox_batch row runs it (batchBenchConfig:
 // defaults, one worker per partition) through ib.BatchNoPublish with a per-message handler.
-func setupEffectOnceflow(ctx context.Context, e *env) (*effectPeer, error) {
+func setupEffectOnceflow(ctx context.Context, e *env) (*peerSystem, error) {
 	pool, schema, err := e.freshSchema(ctx, "effect_peer")
 	if err != nil {
 		return nil, err
 	}
-	fail := func(err error) (*effectPeer, error) { pool.Close(); return nil, err }
+	fail := func(err error) (*peerSystem, error) { pool.Close(); return nil, err }
 	if _, err := pool.Exec(ctx, effectPeerTablesSQL); err != nil {
 		return fail(err)
 	}
@@ -364,21 +311,23 @@ func setupEffectOnceflow(ctx context.Context, e *env) (*effectPeer, error) {
 	rctx, cancel := context.WithCancel(ctx)
 	relayDone := make(chan error, 1)
 	go func() { relayDone <- r.Run(rctx) }()
-	return &effectPeer{
+	return &peerSystem{
 		enqueued: enqueued,
 		done:     done,
-		pool:     pool,
+		check:    checkEffectPeer(pool),
+		meter:    newCPUMeter(ctx, pool),
 		stop: func() error {
 			cancel()
 			err := <-relayDone
 			stopConsumer()
 			_ = sink.Close()
+			pool.Close()
 			if errors.Is(err, context.Canceled) {
 				err = nil
 			}
 			return err
 		},
-		write: func(ctx context.Context, n int) error {
+		start: func(ctx context.Context, n int) error {
 			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 				if _, err := tx.Exec(ctx, effectPeerBusinessSQL, n, benchPayload); err != nil {
 					return err

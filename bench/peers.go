@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/url"
 	"os"
@@ -259,4 +260,139 @@ func envDuration(name string, def time.Duration) time.Duration {
 		return d
 	}
 	return def
+}
+
+// peerSystem is one system of a peer row, set up and ready to take units of work.
+type peerSystem struct {
+	name, what string
+	// start runs one unit's business transaction (n is unique per system).
+	start func(ctx context.Context, n int) error
+	// enqueued, when set, is marked by start just before its COMMIT: latency starts there.
+	// Otherwise latency starts when start is called.
+	enqueued *completions
+	done     *completions
+	// check verifies, before stop, that want units each had their effects applied once.
+	check func(ctx context.Context, want int) error
+	stop  func() error
+	meter *cpuMeter // optional
+
+	next                  int // the next unit's number
+	units                 int // units in the throughput rounds
+	busy, written         time.Duration
+	cpuProcess, cpuServer time.Duration
+	latency               []time.Duration
+}
+
+// peerPlan shapes a peer row's harness.
+type peerPlan struct {
+	row                       string
+	writers                   int
+	rounds, perRound          int // throughput rounds per system, units per round
+	latencyRounds, perLatency int // latency rounds per system, units per round
+	rate                      int // units/s in the latency rounds
+}
+
+// runPeers measures every system with the same harness: a warm-up unit each, then
+// throughput rounds — the writers start plan.perRound units and the round ends when the last
+// completed — and latency rounds — one writer starts plan.perLatency units at plan.rate per
+// second, then waits for them. Rounds alternate between the systems, in an order that rotates
+// every round, so a neighbour's load on this shared machine falls on every system alike
+// rather than on whichever ran during it. All systems stay up for the whole row (idle while
+// another is measured). Then each system's effects are checked and it is stopped.
+func runPeers(ctx context.Context, plan peerPlan, systems []*peerSystem) (err error) {
+	defer func() {
+		for _, s := range systems {
+			if s.stop != nil {
+				err = errors.Join(err, s.stop())
+			}
+		}
+	}()
+	for _, s := range systems {
+		if err := s.start(ctx, 0); err != nil {
+			return fmt.Errorf("%s: warm-up: %w", s.name, err)
+		}
+		if err := s.done.wait(ctx, 1, time.Minute); err != nil {
+			return fmt.Errorf("%s: warm-up: %w", s.name, err)
+		}
+		s.next = 1
+	}
+	rotated := func(r int) []*peerSystem {
+		out := make([]*peerSystem, 0, len(systems))
+		for i := range systems {
+			out = append(out, systems[(r+i)%len(systems)])
+		}
+		return out
+	}
+	for r := range plan.rounds {
+		for _, s := range rotated(r) {
+			var cpu0 cpuSample
+			if s.meter != nil {
+				cpu0 = s.meter.sample()
+			}
+			stopProfile := maybeProfile(fmt.Sprintf("%s-%s-round%d", plan.row, s.name, r))
+			first, want := s.next, s.done.n.Load()+int64(plan.perRound)
+			began := time.Now()
+			written, err := runWriters(plan.writers, first, plan.perRound, func(n int) error { return s.start(ctx, n) })
+			if err == nil {
+				err = s.done.wait(ctx, int(want), 3*time.Minute)
+			}
+			took := time.Since(began)
+			stopProfile()
+			if err != nil {
+				return fmt.Errorf("%s: round %d: %w", s.name, r, err)
+			}
+			s.next += plan.perRound
+			s.units += plan.perRound
+			s.busy += took
+			s.written += written
+			if s.meter != nil {
+				cpu1 := s.meter.sample()
+				s.cpuProcess += cpu1.process - cpu0.process
+				s.cpuServer += cpu1.server - cpu0.server
+			}
+		}
+	}
+	for r := range plan.latencyRounds {
+		for _, s := range rotated(r) {
+			first, want := s.next, s.done.n.Load()+int64(plan.perLatency)
+			started, err := paced(ctx, plan.rate, first, plan.perLatency, func(n int) error { return s.start(ctx, n) })
+			if err == nil {
+				err = s.done.wait(ctx, int(want), time.Minute)
+			}
+			if err != nil {
+				return fmt.Errorf("%s: latency round %d: %w", s.name, r, err)
+			}
+			s.next += plan.perLatency
+			if s.enqueued != nil {
+				s.enqueued.mu.Lock()
+				for n := range started {
+					started[n] = s.enqueued.at[n]
+				}
+				s.enqueued.mu.Unlock()
+			}
+			s.latency = append(s.latency, s.done.latencies(started)...)
+		}
+	}
+	for _, s := range systems {
+		if err := s.check(ctx, s.next); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+	}
+	return nil
+}
+
+// rate is the system's throughput over its rounds, units/s.
+func (s *peerSystem) rate() float64 { return float64(s.units) / s.busy.Seconds() }
+
+// pollUntil runs q until it returns nil or limit passes (the last commits of a system may
+// still be in flight when its completion was marked), and returns q's last error.
+func pollUntil(ctx context.Context, limit time.Duration, q func() error) error {
+	deadline := time.Now().Add(limit)
+	for {
+		err := q()
+		if err == nil || time.Now().After(deadline) || ctx.Err() != nil {
+			return err
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
