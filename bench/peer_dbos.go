@@ -213,7 +213,7 @@ func setupDBOS(ctx context.Context, e *env, mode int, poll time.Duration) (*peer
 					done.mark(in.N)
 				}
 				return i, nil
-			}, dbos.WithStepName(step))
+			}) // RunAsTransaction names the step after the function; the name is not used here
 			if err != nil {
 				return 0, err
 			}
