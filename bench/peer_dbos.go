@@ -100,9 +100,9 @@ func benchSagaVsDBOS(ctx context.Context, e *env) ([]result, error) {
 	by := map[string]*peerSystem{}
 	for _, s := range systems {
 		by[s.name] = s
-		fmt.Fprintf(os.Stderr, "  saga_vs_dbos %-17s %7.0f sagas/s, started in %s, p50 %s p99 %s  (%s)\n",
+		fmt.Fprintf(os.Stderr, "  saga_vs_dbos %-17s %7.0f sagas/s, started in %s, p50 %s p99 %s, %.2f commits/saga  (%s)\n",
 			s.name, s.rate(), s.written.Round(time.Millisecond), percentile(s.latency, 50).Round(10*time.Microsecond),
-			percentile(s.latency, 99).Round(10*time.Microsecond), s.what)
+			percentile(s.latency, 99).Round(10*time.Microsecond), s.commitsPerUnit, s.what)
 	}
 	of, db := by["onceflow"], by["dbos"]
 	var out []result
@@ -128,6 +128,9 @@ func benchSagaVsDBOS(ctx context.Context, e *env) ([]result, error) {
 			r.Target = fmt.Sprintf("lower than dbos at %d/s %s", peerLatencyRate, mark(percentile(of.latency, 99) < percentile(db.latency, 99)))
 		}
 		out = append(out, r)
+	}
+	for _, s := range systems {
+		out = append(out, result{Scenario: "saga_vs_dbos_commits", System: s.name, Value: s.commitsPerUnit, Unit: "commits/saga", Versus: "-"})
 	}
 	return out, nil
 }
@@ -232,7 +235,7 @@ func setupDBOS(ctx context.Context, e *env, mode int, poll time.Duration) (*peer
 	if err := dbos.Launch(dctx); err != nil {
 		return fail(err)
 	}
-	p := &peerSystem{done: done, check: checkSagaEffects(pool), stop: func() error {
+	p := &peerSystem{done: done, pool: pool, check: checkSagaEffects(pool), stop: func() error {
 		err := dbos.Shutdown(dctx, 30*time.Second)
 		pool.Close()
 		return err
@@ -264,12 +267,12 @@ const (
 	onceflowRemote          // three remote steps: relay, kfake, batched participants and orchestrator
 )
 
-// setupOnceflowSaga builds the onceflow side on a fresh schema: the definition, the
+// setupOnceflowSaga builds the onceflow side on a database of its own: the definition, the
 // orchestrator (its Run loop fires timers), and for remote steps the relay, a kfake cluster
 // with peerSagaWriters partitions per topic, and batched consumers (as the saga row's
 // batched path).
 func setupOnceflowSaga(ctx context.Context, e *env, mode int) (*peerSystem, error) {
-	pool, schema, err := e.freshSchema(ctx, "saga_peer")
+	pool, schema, err := e.freshOnceflowDatabase(ctx, "saga_onceflow")
 	if err != nil {
 		return nil, err
 	}
@@ -391,6 +394,7 @@ func setupOnceflowSaga(ctx context.Context, e *env, mode int) (*peerSystem, erro
 	}
 	return &peerSystem{
 		done:  done,
+		pool:  pool,
 		check: checkSagaEffects(pool),
 		stop:  stop,
 		start: func(ctx context.Context, n int) error {

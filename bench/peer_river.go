@@ -93,9 +93,9 @@ func benchEffectVsRiver(ctx context.Context, e *env) ([]result, error) {
 	by := map[string]*peerSystem{}
 	for _, s := range systems {
 		by[s.name] = s
-		fmt.Fprintf(os.Stderr, "  effect_vs_river %-11s %7.0f effects/s, written in %s, p50 %s p99 %s, CPU/1k: process %.2f s, server %.2f s  (%s)\n",
+		fmt.Fprintf(os.Stderr, "  effect_vs_river %-11s %7.0f effects/s, written in %s, p50 %s p99 %s, CPU/1k: process %.2f s, server %.2f s, %.2f commits/effect  (%s)\n",
 			s.name, s.rate(), s.written.Round(time.Millisecond), percentile(s.latency, 50).Round(10*time.Microsecond),
-			percentile(s.latency, 99).Round(10*time.Microsecond), perK(s.cpuProcess, s), perK(s.cpuServer, s), s.what)
+			percentile(s.latency, 99).Round(10*time.Microsecond), perK(s.cpuProcess, s), perK(s.cpuServer, s), s.commitsPerUnit, s.what)
 	}
 	of, rv := by["onceflow"], by["river"]
 	var out []result
@@ -117,6 +117,9 @@ func benchEffectVsRiver(ctx context.Context, e *env) ([]result, error) {
 	}
 	for _, s := range systems {
 		out = append(out, result{Scenario: "effect_vs_river_p99", System: s.name, Value: ms(percentile(s.latency, 99)), Unit: "ms", Versus: "-"})
+	}
+	for _, s := range systems {
+		out = append(out, result{Scenario: "effect_vs_river_commits", System: s.name, Value: s.commitsPerUnit, Unit: "commits/effect", Versus: "-"})
 	}
 	for _, s := range systems {
 		out = append(out, result{Scenario: "effect_vs_river_cpu", System: s.name, Value: perK(s.cpuProcess, s), Unit: "cpu-s/1k", Versus: "-", Target: "bench process"})
@@ -229,6 +232,7 @@ func setupRiver(ctx context.Context, e *env, queue river.QueueConfig) (*peerSyst
 	return &peerSystem{
 		enqueued: enqueued,
 		done:     done,
+		pool:     pool,
 		check:    checkEffectPeer(pool),
 		meter:    newCPUMeter(ctx, pool),
 		stop: func() error {
@@ -256,11 +260,11 @@ func setupRiver(ctx context.Context, e *env, queue river.QueueConfig) (*peerSyst
 	}, nil
 }
 
-// setupEffectOnceflow: a fresh schema, an 8-partition topic on the bench's kfake, one relay
+// setupEffectOnceflow: a database of its own, an 8-partition topic on the bench's kfake, one relay
 // with its defaults and the batched consumer as the inbox_batch row runs it (batchBenchConfig:
 // defaults, one worker per partition) through ib.BatchNoPublish with a per-message handler.
 func setupEffectOnceflow(ctx context.Context, e *env) (*peerSystem, error) {
-	pool, schema, err := e.freshSchema(ctx, "effect_peer")
+	pool, schema, err := e.freshOnceflowDatabase(ctx, "effect_onceflow")
 	if err != nil {
 		return nil, err
 	}
@@ -317,6 +321,7 @@ func setupEffectOnceflow(ctx context.Context, e *env) (*peerSystem, error) {
 	return &peerSystem{
 		enqueued: enqueued,
 		done:     done,
+		pool:     pool,
 		check:    checkEffectPeer(pool),
 		meter:    newCPUMeter(ctx, pool),
 		stop: func() error {

@@ -19,6 +19,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/migrations"
 )
 
 // Shared by the peer rows (saga_vs_dbos, effect_vs_river): a database of its own for a peer
@@ -26,9 +27,10 @@ import (
 // accounting for the bench process and the PostgreSQL server.
 
 // freshDatabase creates an empty database on the bench's server (dropping one left by an
-// earlier run) and returns its URL and a pool on it with the same size as freshSchema's. A
-// peer gets a database of its own because each brings its own schema and migrations (DBOS
-// its "dbos" schema, River its river_* tables in the search path).
+// earlier run) and returns its URL and a pool on it with the same size as freshSchema's. Each
+// system of a peer row gets a database of its own: each brings its own schema and migrations
+// (DBOS its "dbos" schema, River its river_* tables in the search path, onceflow its migrated
+// schema), and the database's commit counter then counts that system's transactions only.
 func (e *env) freshDatabase(ctx context.Context, name string) (*pgxpool.Pool, string, error) {
 	e.n++
 	db := fmt.Sprintf("bench_%s_%d", name, e.n)
@@ -58,6 +60,35 @@ func (e *env) freshDatabase(ctx context.Context, name string) (*pgxpool.Pool, st
 		return nil, "", err
 	}
 	return pool, u.String(), nil
+}
+
+// freshOnceflowDatabase is freshDatabase with onceflow's schema migrated into it (schema
+// "onceflow", first in the pool's search path, as freshSchema's).
+func (e *env) freshOnceflowDatabase(ctx context.Context, name string) (*pgxpool.Pool, string, error) {
+	const schema = "onceflow"
+	pool, _, err := e.freshDatabase(ctx, name)
+	if err != nil {
+		return nil, "", err
+	}
+	cfg := pool.Config()
+	pool.Close()
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+		return nil, "", err
+	}
+	if _, err := migrations.Up(ctx, pool, migrations.Options{Schema: schema}); err != nil {
+		pool.Close()
+		return nil, "", err
+	}
+	return pool, schema, nil
+}
+
+// commits reads the commit counter of pool's database (pg_stat_database.xact_commit: every
+// committed transaction, read-only ones included).
+func commits(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
+	var n int64
+	err := pool.QueryRow(ctx, `SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+	return n, err
 }
 
 // completions records, per unit of work (a saga, an effect) numbered n, when it completed.
@@ -275,12 +306,15 @@ type peerSystem struct {
 	check func(ctx context.Context, want int) error
 	stop  func() error
 	meter *cpuMeter // optional
+	// pool is on the system's own database: its commit counter is the system's.
+	pool *pgxpool.Pool
 
 	next                  int // the next unit's number
 	units                 int // units in the throughput rounds
 	busy, written         time.Duration
 	cpuProcess, cpuServer time.Duration
 	latency               []time.Duration
+	commitsPerUnit        float64 // 0 when unknown
 }
 
 // peerPlan shapes a peer row's harness.
@@ -315,6 +349,15 @@ func runPeers(ctx context.Context, plan peerPlan, systems []*peerSystem) (err er
 			return fmt.Errorf("%s: warm-up: %w", s.name, err)
 		}
 		s.next = 1
+	}
+	// Commits per unit over the rounds (after the warm-up). A backend reports its counts when
+	// it goes idle, at most once a second: wait that long before each reading.
+	time.Sleep(statsFlush)
+	base := make([]int64, len(systems))
+	for i, s := range systems {
+		if base[i], err = commits(ctx, s.pool); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
 	}
 	rotated := func(r int) []*peerSystem {
 		out := make([]*peerSystem, 0, len(systems))
@@ -373,6 +416,14 @@ func runPeers(ctx context.Context, plan peerPlan, systems []*peerSystem) (err er
 			s.latency = append(s.latency, s.done.latencies(started)...)
 		}
 	}
+	time.Sleep(statsFlush)
+	for i, s := range systems {
+		n, err := commits(ctx, s.pool)
+		if err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+		s.commitsPerUnit = float64(n-base[i]) / float64(s.next-1)
+	}
 	for _, s := range systems {
 		if err := s.check(ctx, s.next); err != nil {
 			return fmt.Errorf("%s: %w", s.name, err)
@@ -380,6 +431,10 @@ func runPeers(ctx context.Context, plan peerPlan, systems []*peerSystem) (err er
 	}
 	return nil
 }
+
+// statsFlush is how long PostgreSQL 15 may take to count an idle backend's transactions in
+// pg_stat_database (PGSTAT_MIN_INTERVAL, 1 s), with a margin.
+const statsFlush = 1500 * time.Millisecond
 
 // rate is the system's throughput over its rounds, units/s.
 func (s *peerSystem) rate() float64 { return float64(s.units) / s.busy.Seconds() }
