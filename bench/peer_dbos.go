@@ -100,9 +100,9 @@ func benchSagaVsDBOS(ctx context.Context, e *env) ([]result, error) {
 	by := map[string]*peerSystem{}
 	for _, s := range systems {
 		by[s.name] = s
-		fmt.Fprintf(os.Stderr, "  saga_vs_dbos %-17s %7.0f sagas/s, started in %s, p50 %s p99 %s, %.2f commits/saga  (%s)\n",
+		fmt.Fprintf(os.Stderr, "  saga_vs_dbos %-17s %7.0f sagas/s, started in %s, p50 %s p99 %s, %.2f tx/saga, WAL %.1f KiB/saga  (%s)\n",
 			s.name, s.rate(), s.written.Round(time.Millisecond), percentile(s.latency, 50).Round(10*time.Microsecond),
-			percentile(s.latency, 99).Round(10*time.Microsecond), s.commitsPerUnit, s.what)
+			percentile(s.latency, 99).Round(10*time.Microsecond), s.commitsPerUnit, s.walPerUnit(), s.what)
 	}
 	of, db := by["onceflow"], by["dbos"]
 	var out []result
@@ -130,7 +130,10 @@ func benchSagaVsDBOS(ctx context.Context, e *env) ([]result, error) {
 		out = append(out, r)
 	}
 	for _, s := range systems {
-		out = append(out, result{Scenario: "saga_vs_dbos_commits", System: s.name, Value: s.commitsPerUnit, Unit: "commits/saga", Versus: "-"})
+		out = append(out, result{Scenario: "saga_vs_dbos_tx", System: s.name, Value: s.commitsPerUnit, Unit: "tx/saga", Versus: "-", Target: "read-only included"})
+	}
+	for _, s := range systems {
+		out = append(out, result{Scenario: "saga_vs_dbos_wal", System: s.name, Value: s.walPerUnit(), Unit: "KiB/saga", Versus: "-"})
 	}
 	return out, nil
 }

@@ -93,9 +93,9 @@ func benchEffectVsRiver(ctx context.Context, e *env) ([]result, error) {
 	by := map[string]*peerSystem{}
 	for _, s := range systems {
 		by[s.name] = s
-		fmt.Fprintf(os.Stderr, "  effect_vs_river %-11s %7.0f effects/s, written in %s, p50 %s p99 %s, CPU/1k: process %.2f s, server %.2f s, %.2f commits/effect  (%s)\n",
+		fmt.Fprintf(os.Stderr, "  effect_vs_river %-11s %7.0f effects/s, written in %s, p50 %s p99 %s, CPU/1k: process %.2f s, server %.2f s, %.2f tx/effect, WAL %.2f KiB/effect  (%s)\n",
 			s.name, s.rate(), s.written.Round(time.Millisecond), percentile(s.latency, 50).Round(10*time.Microsecond),
-			percentile(s.latency, 99).Round(10*time.Microsecond), perK(s.cpuProcess, s), perK(s.cpuServer, s), s.commitsPerUnit, s.what)
+			percentile(s.latency, 99).Round(10*time.Microsecond), perK(s.cpuProcess, s), perK(s.cpuServer, s), s.commitsPerUnit, s.walPerUnit(), s.what)
 	}
 	of, rv := by["onceflow"], by["river"]
 	var out []result
@@ -119,7 +119,10 @@ func benchEffectVsRiver(ctx context.Context, e *env) ([]result, error) {
 		out = append(out, result{Scenario: "effect_vs_river_p99", System: s.name, Value: ms(percentile(s.latency, 99)), Unit: "ms", Versus: "-"})
 	}
 	for _, s := range systems {
-		out = append(out, result{Scenario: "effect_vs_river_commits", System: s.name, Value: s.commitsPerUnit, Unit: "commits/effect", Versus: "-"})
+		out = append(out, result{Scenario: "effect_vs_river_tx", System: s.name, Value: s.commitsPerUnit, Unit: "tx/effect", Versus: "-", Target: "read-only included"})
+	}
+	for _, s := range systems {
+		out = append(out, result{Scenario: "effect_vs_river_wal", System: s.name, Value: s.walPerUnit(), Unit: "KiB/effect", Versus: "-"})
 	}
 	for _, s := range systems {
 		out = append(out, result{Scenario: "effect_vs_river_cpu", System: s.name, Value: perK(s.cpuProcess, s), Unit: "cpu-s/1k", Versus: "-", Target: "bench process"})

@@ -83,6 +83,15 @@ func (e *env) freshOnceflowDatabase(ctx context.Context, name string) (*pgxpool.
 	return pool, schema, nil
 }
 
+// walPosition is the server's current WAL position in bytes. WAL is the server's, not a
+// database's: the difference over a round counts every system's writes, but the others are
+// idle then (their idle polls write nothing).
+func walPosition(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
+	var n int64
+	err := pool.QueryRow(ctx, `SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint`).Scan(&n)
+	return n, err
+}
+
 // commits reads the commit counter of pool's database (pg_stat_database.xact_commit: every
 // committed transaction, read-only ones included).
 func commits(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
@@ -314,7 +323,8 @@ type peerSystem struct {
 	busy, written         time.Duration
 	cpuProcess, cpuServer time.Duration
 	latency               []time.Duration
-	commitsPerUnit        float64 // 0 when unknown
+	commitsPerUnit        float64 // transactions committed in the system's database per unit
+	walBytes              int64   // WAL the server wrote during the system's throughput rounds
 }
 
 // peerPlan shapes a peer row's harness.
@@ -350,7 +360,8 @@ func runPeers(ctx context.Context, plan peerPlan, systems []*peerSystem) (err er
 		}
 		s.next = 1
 	}
-	// Commits per unit over the rounds (after the warm-up). A backend reports its counts when
+	// Transactions per unit over the rounds (after the warm-up; read-only ones included: a
+	// relay polling its claims counts). A backend reports its counts when
 	// it goes idle, at most once a second: wait that long before each reading.
 	time.Sleep(statsFlush)
 	base := make([]int64, len(systems))
@@ -372,6 +383,10 @@ func runPeers(ctx context.Context, plan peerPlan, systems []*peerSystem) (err er
 			if s.meter != nil {
 				cpu0 = s.meter.sample()
 			}
+			lsn0, err := walPosition(ctx, s.pool)
+			if err != nil {
+				return fmt.Errorf("%s: %w", s.name, err)
+			}
 			stopProfile := maybeProfile(fmt.Sprintf("%s-%s-round%d", plan.row, s.name, r))
 			first, want := s.next, s.done.n.Load()+int64(plan.perRound)
 			began := time.Now()
@@ -384,6 +399,11 @@ func runPeers(ctx context.Context, plan peerPlan, systems []*peerSystem) (err er
 			if err != nil {
 				return fmt.Errorf("%s: round %d: %w", s.name, r, err)
 			}
+			lsn1, err := walPosition(ctx, s.pool)
+			if err != nil {
+				return fmt.Errorf("%s: %w", s.name, err)
+			}
+			s.walBytes += lsn1 - lsn0
 			s.next += plan.perRound
 			s.units += plan.perRound
 			s.busy += took
@@ -438,6 +458,9 @@ const statsFlush = 1500 * time.Millisecond
 
 // rate is the system's throughput over its rounds, units/s.
 func (s *peerSystem) rate() float64 { return float64(s.units) / s.busy.Seconds() }
+
+// walPerUnit is the WAL written per unit in the throughput rounds, in KiB.
+func (s *peerSystem) walPerUnit() float64 { return float64(s.walBytes) / 1024 / float64(s.units) }
 
 // pollUntil runs q until it returns nil or limit passes (the last commits of a system may
 // still be in flight when its completion was marked), and returns q's last error.
