@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -187,7 +189,7 @@ func setupDBOS(ctx context.Context, e *env, mode int, poll time.Duration) (*peer
 		pool.Close()
 		return nil, err
 	}
-	dctx, err := dbos.NewContext(ctx, dbos.Config{AppName: "onceflow-bench", SystemDBPool: pool, Logger: e.log})
+	dctx, err := dbos.NewContext(ctx, dbos.Config{AppName: "onceflow-bench", SystemDBPool: pool, Logger: slog.New(quietOnCancel{e.log.Handler()})})
 	if err != nil {
 		pool.Close()
 		return nil, err
@@ -261,6 +263,31 @@ func setupDBOS(ctx context.Context, e *env, mode int, poll time.Duration) (*peer
 		}
 	}
 	return p, nil
+}
+
+// quietOnCancel drops the log records DBOS writes about its own shutdown (errors that are the
+// cancellation of its context: its queue runner's last polls), and passes every other one.
+type quietOnCancel struct{ slog.Handler }
+
+func (h quietOnCancel) Handle(ctx context.Context, r slog.Record) error {
+	cancelled := false
+	r.Attrs(func(a slog.Attr) bool {
+		err, ok := a.Value.Any().(error)
+		cancelled = ok && (errors.Is(err, context.Canceled) || strings.HasSuffix(err.Error(), context.Canceled.Error()))
+		return !cancelled
+	})
+	if cancelled {
+		return nil
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+func (h quietOnCancel) WithAttrs(as []slog.Attr) slog.Handler {
+	return quietOnCancel{h.Handler.WithAttrs(as)}
+}
+
+func (h quietOnCancel) WithGroup(name string) slog.Handler {
+	return quietOnCancel{h.Handler.WithGroup(name)}
 }
 
 // How the onceflow saga runs its steps.
