@@ -103,6 +103,8 @@ var scenarios = []scenario{
 	{"saga", benchSaga},
 	{"saga_local", benchSagaLocal},
 	{"saga_hot", benchSagaHot},
+	{"saga_vs_dbos", benchSagaVsDBOS},
+	{"effect_vs_river", benchEffectVsRiver},
 	{"stats", benchStats},
 	{"console", benchConsole},
 	{"tracing", benchTracing},
