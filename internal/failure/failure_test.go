@@ -4,9 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
-	"sync"
 	"testing"
 	"time"
 
@@ -103,21 +101,17 @@ func TestClassification(t *testing.T) {
 			return a, <-errc
 		}, true, false},
 		{"connection lost mid-statement", func(t *testing.T) (*pgx.Conn, error) {
-			p := newProxy(t, db.Pool.Config().ConnConfig.Host, db.Pool.Config().ConnConfig.Port)
-			cfg, err := pgx.ParseConfig(db.URL)
+			p := testdb.NewProxy(t, db)
+			pc, err := p.Pool(t, db, 1).Acquire(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			cfg.Host, cfg.Port = "127.0.0.1", p.port
-			c, err := pgx.ConnectConfig(ctx, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() { _ = c.Close(context.Background()) }()
+			defer pc.Release()
+			c := pc.Conn()
 			errc := make(chan error, 1)
 			go func() { _, err := c.Exec(ctx, `SELECT pg_sleep(10)`); errc <- err }()
 			waitActive(t, ctx, connect(t), int64(c.PgConn().PID()))
-			p.cut()
+			p.Cut()
 			return c, <-errc
 		}, true, false},
 		{"connection refused", func(t *testing.T) (*pgx.Conn, error) {
@@ -268,58 +262,4 @@ func waitActive(t *testing.T, ctx context.Context, c *pgx.Conn, pid int64) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	t.Fatal("the statement did not start within 10s")
-}
-
-// proxy forwards TCP connections to the server, and can cut them all mid-statement, as a
-// network failure or a server crash would.
-type proxy struct {
-	port  uint16
-	l     net.Listener
-	mu    sync.Mutex
-	conns []net.Conn
-}
-
-func newProxy(t *testing.T, host string, port uint16) *proxy {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := &proxy{port: uint16(l.Addr().(*net.TCPAddr).Port), l: l}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { _ = l.Close(); p.cut(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			in, err := l.Accept()
-			if err != nil {
-				return
-			}
-			network, addr := "tcp", net.JoinHostPort(host, fmt.Sprint(port))
-			if len(host) > 0 && host[0] == '/' {
-				network, addr = "unix", fmt.Sprintf("%s/.s.PGSQL.%d", host, port)
-			}
-			out, err := net.Dial(network, addr)
-			if err != nil {
-				_ = in.Close()
-				continue
-			}
-			p.mu.Lock()
-			p.conns = append(p.conns, in, out)
-			p.mu.Unlock()
-			wg.Add(2)
-			go func() { defer wg.Done(); _, _ = io.Copy(out, in); _ = out.Close() }()
-			go func() { defer wg.Done(); _, _ = io.Copy(in, out); _ = in.Close() }()
-		}
-	}()
-	return p
-}
-
-func (p *proxy) cut() {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for _, c := range p.conns {
-		_ = c.Close()
-	}
-	p.conns = nil
 }
