@@ -98,6 +98,8 @@ type Participant struct {
 	tr  *tracing.Tracer // trace.go
 	// keepResultSQL stores actions' results with their barrier rows; resultSQL reads them.
 	keepResultSQL, resultSQL string
+	// releaseSQL deletes barrier keys claimed for commands that turned out to be duplicates.
+	releaseSQL string
 }
 
 // NewParticipant validates cfg, reporting every problem at once (*ConfigError).
@@ -141,6 +143,7 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 		// rows and may scan the whole table instead of using the primary key.
 		keepResultSQL: `UPDATE ` + pe + ` SET result = $3 WHERE consumer = $1 AND dedup_key = $2`,
 		resultSQL:     `SELECT dedup_key, result FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
+		releaseSQL:    `DELETE FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
 	}, nil
 }
 
@@ -255,28 +258,10 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 		return 0, nil, fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
 	}
 	defer rollback(tx)
-	keys := make([]string, len(cmds))
-	for i, c := range cmds {
-		keys[i] = c.key
-	}
-	claimed, err := p.ib.ClaimTx(ctx, tx, keys...)
-	if err != nil {
-		return 0, nil, err
-	}
-	var fresh []*command
-	for i, c := range cmds {
-		if !claimed[i] {
-			p.skip(c.ref, BarrierDuplicate, "the same command again")
-			continue
-		}
-		fresh = append(fresh, c)
-	}
-	if len(fresh) == 0 {
-		return 0, nil, nil // all duplicates: nothing to commit
-	}
-	verdicts, results, err := p.barrier(ctx, tx, fresh)
-	if err != nil {
-		return 0, nil, err
+	// One round trip: the commands' dedup claims, then the barrier's (see barrier).
+	fresh, verdicts, results, release, err := p.claim(ctx, tx, cmds)
+	if err != nil || len(fresh) == 0 {
+		return 0, nil, err // all duplicates: nothing to commit
 	}
 	var replies []*message.Message
 	var origin []int         // index in the batch of the command replies[i] answers
@@ -333,8 +318,12 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 		replies = append(replies, reply)
 		origin = append(origin, c.index)
 	}
-	// One round trip: the actions' results kept with their barrier rows, and every reply.
+	// One round trip: the barrier keys claimed for duplicates given back, the actions'
+	// results kept with their barrier rows, and every reply.
 	b := &pgx.Batch{}
+	if len(release) > 0 {
+		b.Queue(p.releaseSQL, p.cfg.Consumer, release)
+	}
 	for i, k := range kept {
 		b.Queue(p.keepResultSQL, p.cfg.Consumer, k, keptResults[i])
 	}
@@ -351,19 +340,26 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 	return 0, nil, commitBlamed(ctx, tx, cmds)
 }
 
-// barrier claims and reads the barrier keys of the fresh commands in one round trip and
-// decides each command (decideBarrier). results holds what the steps' actions kept (by
-// action key), for compensations and for later attempts of actions that took effect.
+// claim claims the commands' dedup keys and the barrier's keys in one round trip, and
+// decides each new command (decideBarrier). fresh are the commands not seen before, in batch
+// order, verdicts[i] is fresh[i]'s; results holds what the steps' actions kept (by action
+// key), for compensations and for later attempts of actions that took effect.
 //
 // Every command whose outcome is not decided claims its step's action key (a compensation
 // also its own key): the claims lock in key order — an action key sorts before its
 // compensation's — so an action and its compensation wait for each other instead of
 // deadlocking. An action's batch then reads which compensations committed, after its claims,
-// which waited for concurrent compensations.
-func (p *Participant) barrier(ctx context.Context, tx pgx.Tx, fresh []*command) ([]barrierVerdict, map[string][]byte, error) {
+// which waited for concurrent compensations. The barrier keys are claimed before the commands'
+// claims are known (one round trip rather than two): release lists the keys claimed only for
+// commands that turned out to be duplicates, to be deleted before the commit.
+func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fresh []*command, verdicts []barrierVerdict,
+	results map[string][]byte, release []string, err error,
+) {
+	keys := make([]string, len(cmds))
 	var claim, seenKeys, actionKeys []string
 	inClaim := map[string]bool{}
-	for _, c := range fresh {
+	for i, c := range cmds {
+		keys[i] = c.key
 		if c.outcome != nil {
 			continue
 		}
@@ -379,21 +375,24 @@ func (p *Participant) barrier(ctx context.Context, tx pgx.Tx, fresh []*command) 
 			claim = append(claim, compKey)
 		}
 	}
-	for _, c := range fresh {
+	for _, c := range cmds {
 		if compKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation); c.outcome == nil && !inClaim[compKey] {
 			seenKeys = append(seenKeys, compKey)
 		}
 	}
-	var got, seen []bool
-	results := map[string][]byte{}
+	var claimed, got, seen []bool
+	results = map[string][]byte{}
+	b := &pgx.Batch{}
+	if err := p.ib.QueueClaimMany(b, keys, &claimed); err != nil {
+		return nil, nil, nil, nil, err
+	}
 	if len(claim) > 0 {
-		b := &pgx.Batch{}
 		if err := p.ib.QueueClaimMany(b, claim, &got); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, nil, err
 		}
 		if len(seenKeys) > 0 {
 			if err := p.ib.QueueSeenMany(b, seenKeys, &seen); err != nil {
-				return nil, nil, err
+				return nil, nil, nil, nil, err
 			}
 		}
 		b.Queue(p.resultSQL, p.cfg.Consumer, actionKeys).Query(func(rows pgx.Rows) error {
@@ -407,9 +406,9 @@ func (p *Participant) barrier(ctx context.Context, tx pgx.Tx, fresh []*command) 
 			}
 			return rows.Err()
 		})
-		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			return nil, nil, fmt.Errorf("saga participant %q: barrier of %d commands: %w", p.cfg.Consumer, len(fresh), schemaError(p.cfg.Schema, err))
-		}
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return nil, nil, nil, nil, fmt.Errorf("saga participant %q: claim %d commands and their barrier: %w", p.cfg.Consumer, len(cmds), schemaError(p.cfg.Schema, err))
 	}
 	taken := map[string]bool{} // barrier key → it existed before this transaction
 	for i, k := range claim {
@@ -418,17 +417,33 @@ func (p *Participant) barrier(ctx context.Context, tx pgx.Tx, fresh []*command) 
 	for i, k := range seenKeys {
 		taken[k] = taken[k] || seen[i]
 	}
+	used := map[string]bool{} // barrier keys of new commands
+	for i, c := range cmds {
+		if !claimed[i] {
+			p.skip(c.ref, BarrierDuplicate, "the same command again")
+			continue
+		}
+		fresh = append(fresh, c)
+		if c.outcome == nil {
+			used[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)] = true
+			used[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)] = true
+		}
+	}
+	for i, k := range claim {
+		if got[i] && !used[k] {
+			release = append(release, k) // claimed for a duplicate only
+		}
+	}
 	before := map[stepID]barrierState{}
 	in := make([]barrierCmd, len(fresh))
 	for i, c := range fresh {
-		id := stepID{c.ref.ID, c.ref.Step}
-		before[id] = barrierState{
+		before[stepID{c.ref.ID, c.ref.Step}] = barrierState{
 			ActionTaken: taken[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)],
 			CompTaken:   taken[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)],
 		}
 		in[i] = barrierCmd{Saga: c.ref.ID, Step: c.ref.Step, Phase: c.ref.Phase, Decided: c.outcome != nil}
 	}
-	return decideBarrier(in, before), results, nil
+	return fresh, decideBarrier(in, before), results, release, nil
 }
 
 // commitBlamed commits a participant's batch: a failure at COMMIT is the batch's when
