@@ -100,9 +100,9 @@ type timedClaim struct {
 
 type claimStart struct{}
 
-// isClaim recognises the relay's cursor claim (relay/claim.go, nextSQL; its late-commit lookup,
-// lateSQL, runs in the same batch, so the batch's time covers both).
-func isClaim(sql string) bool { return strings.HasPrefix(strings.TrimSpace(sql), "WITH low AS") }
+// isClaim recognises the relay's cursor claim (relay/claim.go, nextSQL, whose first CTE is the
+// late-commit lookup).
+func isClaim(sql string) bool { return strings.HasPrefix(strings.TrimSpace(sql), "WITH late AS") }
 
 // The relay pipelines a claim with its BEGIN READ ONLY, planner settings and COMMIT in one
 // batch: a claim's duration is its batch's, one round trip, as the relay waits for it.
