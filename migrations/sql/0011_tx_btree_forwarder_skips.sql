@@ -1,6 +1,6 @@
 -- onceflow 0011: late commits found through a b-tree on tx again, with nothing for the relay to
--- maintain. The schema placeholder is replaced by the configured, validated and quoted schema
--- name.
+-- maintain; and the rows `migrate from-forwarder` sets aside. The schema placeholder is
+-- replaced by the configured, validated and quoted schema name.
 --
 -- Step 0007's BRIN index needed the relay to summarize it (brin_summarize_range), which takes
 -- SHARE UPDATE EXCLUSIVE on the outbox inside the claim path: while anything else held that
@@ -21,3 +21,17 @@
 CREATE INDEX IF NOT EXISTS outbox_tx_idx ON {{schema}}.outbox (tx);
 DROP INDEX IF EXISTS {{schema}}.outbox_tx_brin;
 DROP FUNCTION IF EXISTS {{schema}}.outbox_summarize(bigint, bigint);
+
+-- Rows `onceflow migrate from-forwarder --skip-unmovable` set aside instead of moving them (not
+-- a forwarder envelope, or a payload over its limit): kept whole, with the reason, so nothing
+-- leaves the forwarder's table without a trace, and reported by the move.
+CREATE TABLE IF NOT EXISTS {{schema}}.forwarder_move_skipped (
+    source         text        NOT NULL,                 -- as forwarder_move.source
+    "offset"       bigint      NOT NULL,                 -- the row's offset in the forwarder's table
+    transaction_id text        NOT NULL DEFAULT '',      -- default adapter: the row's transaction_id (offsets repeat across them)
+    uuid           text        NOT NULL,                 -- the row's uuid column
+    envelope       bytea       NOT NULL,                 -- the row's payload column: the forwarder's envelope as stored
+    reason         text        NOT NULL,
+    skipped_at     timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (source, "offset", transaction_id)
+);
