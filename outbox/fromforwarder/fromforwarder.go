@@ -182,7 +182,8 @@ type Result struct {
 	// Remapped counts moved messages whose event id differs from their Watermill UUID (kept
 	// in MetadataOriginalUUID).
 	Remapped int
-	// Skipped lists the rows set aside (Config.SkipUnmovable; DryRun: the rows that would be).
+	// Skipped lists the rows set aside (Config.SkipUnmovable; DryRun: every row that cannot
+	// be moved, with or without SkipUnmovable).
 	Skipped []Skipped
 	// Largest is the largest payload moved, in bytes: the relay's sink must accept it
 	// (relaykafka's MaxMessageBytes, --max-message-bytes, and the topic's max.message.bytes).
@@ -372,7 +373,7 @@ func (m *mover) unwrap(r pendingRow) (*message.Message, string, error) {
 	if e.Payload == nil {
 		e.Payload = []byte{}
 	}
-	id := e.UUID
+	var id string
 	if u, err := uuid.Parse(e.UUID); err != nil {
 		id = uuid.NewSHA1(IDNamespace, []byte(e.UUID)).String()
 	} else {
@@ -598,7 +599,7 @@ func (m *mover) batch(ctx context.Context, pool *pgxpool.Pool, res *Result, keys
 	for _, r := range batch {
 		msg, topic, err := m.unwrap(r)
 		if err != nil {
-			if !m.cfg.SkipUnmovable {
+			if !m.cfg.SkipUnmovable && !m.cfg.DryRun { // a dry run lists them all
 				return 0, fmt.Errorf("fromforwarder: row offset %d (uuid %s) cannot be moved: %w; nothing of this batch was moved. "+
 					"Rerun with SkipUnmovable (--skip-unmovable) to set such rows aside in %s and go on", r.offset, r.uuid, err, m.skipped)
 			}
