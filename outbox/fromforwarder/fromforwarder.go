@@ -467,8 +467,25 @@ func (m *mover) run(ctx context.Context, pool *pgxpool.Pool) (res Result, _ erro
 			continue
 		}
 		if m.cfg.DryRun {
+			// Rows held back behind an older transaction would move once it ends: wait for
+			// them as a move would, then report those still held back.
 			if m.cfg.Adapter == AdapterDefault {
-				res.HeldBack, _ = m.heldBack(ctx, pool, after)
+				held, err := m.heldBack(ctx, pool, after)
+				if err != nil {
+					return res, err
+				}
+				if deadline.IsZero() {
+					deadline = time.Now().Add(m.cfg.WaitOpenTransactions)
+				}
+				if held > 0 && m.cfg.WaitOpenTransactions >= 0 && time.Now().Before(deadline) {
+					select {
+					case <-ctx.Done():
+						return res, ctx.Err()
+					case <-time.After(200 * time.Millisecond): // polling: PostgreSQL signals no transaction end
+					}
+					continue
+				}
+				res.HeldBack = held
 			}
 			break
 		}
