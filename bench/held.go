@@ -70,6 +70,7 @@ type heldWindow struct {
 	claimP50   float64 // ms
 	claimP99   float64 // ms
 	deadTuples int64   // at the end of the window
+	backlog    int64   // outbox rows at the end of the window
 }
 
 func benchHeld(ctx context.Context, e *env, scenario string, hold func(context.Context, *pgxpool.Pool, string) (release func(), err error)) ([]result, error) {
@@ -136,11 +137,14 @@ func benchHeld(ctx context.Context, e *env, scenario string, hold func(context.C
 		secs := to.Sub(from).Seconds()
 		claims := tracer.between(from, to)
 		hw := heldWindow{name: name, delivered: float64(rcv.count()-r0) / secs, written: float64(written.Load()-w0) / secs, deadTuples: deadTuples()}
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+outboxT).Scan(&hw.backlog); err != nil {
+			e.log.Error("backlog", "err", err)
+		}
 		if len(claims) > 0 {
 			hw.claimP50, hw.claimP99 = ms(percentile(claims, 50)), ms(percentile(claims, 99))
 		}
-		fmt.Fprintf(os.Stderr, "  %s %-6s delivered %.0f ev/s (written %.0f ev/s), %d claims p50 %.2f ms p99 %.2f ms, dead tuples %d\n",
-			scenario, name, hw.delivered, hw.written, len(claims), hw.claimP50, hw.claimP99, hw.deadTuples)
+		fmt.Fprintf(os.Stderr, "  %s %-6s delivered %.0f ev/s (written %.0f ev/s), %d claims p50 %.2f ms p99 %.2f ms, dead tuples %d, backlog %d\n",
+			scenario, name, hw.delivered, hw.written, len(claims), hw.claimP50, hw.claimP99, hw.deadTuples, hw.backlog)
 		return hw
 	}
 	wins := []heldWindow{window("before", heldBefore)}
@@ -163,12 +167,15 @@ func benchHeld(ctx context.Context, e *env, scenario string, hold func(context.C
 	var out []result
 	for _, hw := range wins {
 		out = append(out,
-			result{Scenario: scenario, System: "onceflow-" + hw.name, Value: hw.delivered, Unit: "ev/s", Versus: fmt.Sprintf("written %.0f ev/s", hw.written)},
+			result{Scenario: scenario, System: "onceflow-" + hw.name, Value: hw.delivered, Unit: "ev/s", Versus: fmt.Sprintf("written %.0f ev/s, backlog %d", hw.written, hw.backlog)},
 			result{Scenario: scenario + "_claim_p99", System: "onceflow-" + hw.name, Value: hw.claimP99, Unit: "ms", Versus: fmt.Sprintf("p50 %.2f ms", hw.claimP50)},
 			result{Scenario: scenario + "_dead_tuples", System: "onceflow-" + hw.name, Value: float64(hw.deadTuples), Unit: "rows", Versus: "-"})
 	}
-	ratio := wins[1].delivered / wins[0].delivered
-	out = append(out, result{Scenario: scenario + "_ratio", System: "during-vs-before", Value: ratio, Unit: "×", Versus: "-", Target: "≥ 0.9"})
+	// The writers' rate moves with the machine's load: delivery keeps its rate when it keeps up
+	// with them, so the figure is delivered ÷ written while the outbox is held.
+	out = append(out,
+		result{Scenario: scenario + "_ratio", System: "during-delivered-vs-written", Value: wins[1].delivered / wins[1].written, Unit: "×", Versus: "-", Target: "≥ 0.95"},
+		result{Scenario: scenario + "_ratio", System: "during-vs-before", Value: wins[1].delivered / wins[0].delivered, Unit: "×", Versus: "-"})
 	slices.SortStableFunc(out, func(a, b result) int {
 		switch {
 		case a.Scenario < b.Scenario:
