@@ -18,6 +18,12 @@
 -- (CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_tx_idx ON <schema>.outbox (tx)): this step
 -- then finds it and only drops the BRIN index. Relays of an earlier release look late commits
 -- up through the BRIN index: upgrade them together with this step.
+--
+-- The build takes SHARE on the outbox and the DROP INDEX ACCESS EXCLUSIVE: queued behind a long
+-- transaction that touched the outbox, either would hold off every writer and relay queued
+-- behind it. Each waits at most 5 s for its lock; then the step fails, changes nothing, and
+-- running `migrate up` again retries.
+SET LOCAL lock_timeout = '5s';
 CREATE INDEX IF NOT EXISTS outbox_tx_idx ON {{schema}}.outbox (tx);
 DROP INDEX IF EXISTS {{schema}}.outbox_tx_brin;
 DROP FUNCTION IF EXISTS {{schema}}.outbox_summarize(bigint, bigint);
