@@ -72,8 +72,8 @@ func pacedWriters(t *testing.T, db *testdb.DB, topic string, writers int, every 
 // TestDeliveryContinuesWhileOutboxHeldForMaintenance: a session holds SHARE UPDATE EXCLUSIVE
 // on the outbox for 30 s — the lock a manual VACUUM or ANALYZE, an anti-wraparound autovacuum
 // and CREATE INDEX CONCURRENTLY hold — while writers keep committing. The relay's claims,
-// publishes and deletes take no lock that conflicts with it, so delivery keeps the rate it had
-// before and the backlog stays at a few batches. (With migration 0007's BRIN summary on the
+// publishes and deletes take no lock that conflicts with it, so delivery keeps up with the
+// writes (at least 0.95 of their rate over the 30 s) and the backlog stays at a few batches. (With migration 0007's BRIN summary on the
 // claim path, every claim waited for this lock until the statement timeout: delivery fell to
 // a few events per second and the backlog grew for as long as the lock was held.)
 func TestDeliveryContinuesWhileOutboxHeldForMaintenance(t *testing.T) {
@@ -125,8 +125,10 @@ func TestDeliveryContinuesWhileOutboxHeldForMaintenance(t *testing.T) {
 	if !held {
 		t.Fatal("the lock was not held through the window")
 	}
-	if during < 0.8*before || during < 0.8*wroteDuring {
-		t.Fatalf("delivery fell to %.0f ev/s while SHARE UPDATE EXCLUSIVE was held (%.0f ev/s before, %.0f written/s meanwhile): the relay waits for the lock", during, before, wroteDuring)
+	// The writers' rate moves with the machine's load; delivery keeps its rate when it keeps up
+	// with them.
+	if during < 0.95*wroteDuring {
+		t.Fatalf("delivery fell to %.0f ev/s while SHARE UPDATE EXCLUSIVE was held, with %.0f events/s written meanwhile (%.0f ev/s before): the relay waits for the lock", during, wroteDuring, before)
 	}
 	if limit := int(wroteDuring) + 1000; backlog > limit {
 		t.Fatalf("the backlog grew to %d rows while the lock was held (more than a second of writes, %d): the relay waits for the lock", backlog, limit)
