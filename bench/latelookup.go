@@ -25,7 +25,7 @@ type lateVariant struct {
 
 // benchLateLookup: an outbox of 200,000 rows, then 1,200,000, then the same after every row was
 // deleted (not vacuumed: the table a drain leaves behind), with the b-tree on tx (migration
-// 0011) and migration 0007's BRIN index on tx, summarized up to its last complete range (the
+// 0012) and migration 0007's BRIN index on tx, summarized up to its last complete range (the
 // state the relay kept it in) — as 0007's relay ran it (its generic plan goes parallel) and
 // without parallel workers. The reference snapshot is taken while a transaction that wrote
 // one early row is still open, and 2,000 rows are committed after it (a batch's worth of new
@@ -44,7 +44,7 @@ func benchLateLookup(ctx context.Context, e *env) ([]result, error) {
 	}
 	const btx = `(tx::text)::bigint`
 	variants := []lateVariant{
-		{"btree-0011", `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`,
+		{"btree-0012", `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)`,
 			`SELECT min(id) FROM (SELECT id FROM ` + outboxT + ` WHERE tx >= $2::text::xid8 AND tx < pg_snapshot_xmax(pg_current_snapshot()) AND id + 0 <= $1
 				UNION ALL SELECT id FROM ` + outboxT + ` WHERE tx = ANY($3::text[]::xid8[]) AND id + 0 <= $1 OFFSET 0) late`},
 		{"brin-0007-serial", `SELECT set_config('enable_seqscan', 'off', true), set_config('max_parallel_workers_per_gather', '0', true)`,

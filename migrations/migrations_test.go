@@ -423,7 +423,7 @@ func TestUpWaitsForUpTx(t *testing.T) {
 	}
 }
 
-// TestOutboxLateCommitIndex: after step 0011 the outbox carries its primary key and a b-tree
+// TestOutboxLateCommitIndex: after step 0012 the outbox carries its primary key and a b-tree
 // on tx, which PostgreSQL keeps up to date by itself (the relay's late-commit lookup reads
 // it), and neither 0007's BRIN index nor the function that summarized it: nothing is left
 // for the relay to maintain under a table-level lock.
@@ -454,6 +454,6 @@ func TestOutboxLateCommitIndex(t *testing.T) {
 		t.Fatal(err)
 	}
 	if fn != nil {
-		t.Fatalf("outbox_summarize still exists (%s); step 0011 drops it", *fn)
+		t.Fatalf("outbox_summarize still exists (%s); step 0012 drops it", *fn)
 	}
 }

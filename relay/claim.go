@@ -25,7 +25,7 @@ import (
 // row is invisible to cursor.ref and visible now: its transaction (outbox.tx, the writing
 // transaction's id) is in ref's list of transactions in progress, or started after ref (tx at
 // or above ref's xmax). The next claim looks those up (nextSQL's late CTE) through a b-tree on
-// tx (migration 0011), and when one of them sits at or below the cursor it starts from just
+// tx (migration 0012), and when one of them sits at or below the cursor it starts from just
 // below it instead. This holds for any writer and any id assignment: it relies only on
 // snapshot visibility, never on ids and transaction ids being assigned in the same order.
 //
@@ -118,7 +118,7 @@ func budgeted(header string, budget string) string {
 // limit rows and about budget bytes.
 //
 // late: rows at or below the cursor whose transaction the reference snapshot did not see,
-// found through the b-tree on tx (outbox_tx_idx, migration 0011): the transactions that
+// found through the b-tree on tx (outbox_tx_idx, migration 0012): the transactions that
 // started after it (a range bounded by the current snapshot, which cannot see later ones
 // anyway: a few recent transactions), and those it listed as in progress (one probe each).
 // Both are index range scans whose cost depends on how many rows those transactions wrote,

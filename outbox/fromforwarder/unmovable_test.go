@@ -33,7 +33,9 @@ func TestMoveNonUUIDIdsAndLargePayloads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testdb.New(t)
-	table, offsets := db.Schema+".watermill_forwarder_topic", db.Schema+".watermill_offsets_forwarder_topic"
+	// Table names of its own: the activity check matches other sessions by table name, and
+	// the package's tests run in parallel in one database.
+	table, offsets := db.Schema+".ids_events", db.Schema+".ids_offsets"
 	if _, err := db.Pool.Exec(ctx, fmt.Sprintf(defaultDDL, table, "BYTEA", offsets)); err != nil {
 		t.Fatal(err)
 	}
@@ -89,7 +91,7 @@ func TestMoveSkipsUnmovableRows(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := testdb.New(t)
-	table, offsets := db.Schema+".watermill_forwarder_topic", db.Schema+".watermill_offsets_forwarder_topic"
+	table, offsets := db.Schema+".skip_events", db.Schema+".skip_offsets" // names of its own, as above
 	if _, err := db.Pool.Exec(ctx, fmt.Sprintf(defaultDDL, table, "BYTEA", offsets)); err != nil {
 		t.Fatal(err)
 	}

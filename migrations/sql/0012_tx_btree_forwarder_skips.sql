@@ -1,4 +1,4 @@
--- onceflow 0011: late commits found through a b-tree on tx again, with nothing for the relay to
+-- onceflow 0012: late commits found through a b-tree on tx again, with nothing for the relay to
 -- maintain; and the rows `migrate from-forwarder` sets aside. The schema placeholder is
 -- replaced by the configured, validated and quoted schema name.
 --
