@@ -24,17 +24,20 @@ import (
 // holding id 7 may commit after the claim that published id 8 moved the cursor past it. Such a
 // row is invisible to cursor.ref and visible now: its transaction (outbox.tx, the writing
 // transaction's id) is in ref's list of transactions in progress, or started after ref (tx at
-// or above ref's xmax). The next claim looks those up (lateSQL) through a BRIN index on tx
-// (migration 0007), which costs writers nothing where new rows go, and when one of them sits
-// at or below the cursor it starts from just below it instead. This holds for any writer and
-// any id assignment: it relies only on snapshot visibility, never on ids and transaction ids
-// being assigned in the same order.
+// or above ref's xmax). The next claim looks those up (nextSQL's late CTE) through a b-tree on
+// tx (migration 0012), and when one of them sits at or below the cursor it starts from just
+// below it instead. This holds for any writer and any id assignment: it relies only on
+// snapshot visibility, never on ids and transaction ids being assigned in the same order.
 //
-// BRIN returns whole page ranges: every range whose summary (lowest and highest tx) overlaps
-// the transactions looked up, and every range not summarized yet. Transactions newer than ref
-// wrote their rows at the end of the table, in ranges nobody summarized, so the relay
-// summarizes complete ranges itself every summarizeEvery ids (Relay.summarize): the lookup
-// then reads a few BRIN pages and the last few heap pages, whatever the backlog.
+// Why a b-tree (measured, docs/PERFORMANCE.md, "Late commits: b-tree or BRIN"): its lookups
+// are two index range scans over the few transactions concerned, whatever the backlog and the
+// dead rows, and PostgreSQL keeps it up to date. Migration 0007's BRIN index did not make the
+// writers measurably faster (paired per round: b-tree ÷ BRIN 0.99), its lookups read the
+// index's whole summary and every page of the ranges overlapping the transactions (29–162 ms
+// at 200k–1.2M rows as 0007 ran them, against under 2 ms), and it needed the relay to
+// summarize it, which takes SHARE UPDATE EXCLUSIVE on the outbox: any VACUUM, ANALYZE or
+// CREATE INDEX CONCURRENTLY stopped delivery, and a summary waiting behind autovacuum
+// cancelled it. Nothing on the claim path now takes more than ACCESS SHARE.
 //
 // Exhaustion. When a claim finds fewer rows than it could take, every visible row above the
 // cursor was seen, so the cursor moves to the last id the sequence handed out (rows taken but
@@ -110,111 +113,38 @@ func budgeted(header string, budget string) string {
 	FROM sized WHERE run <= ` + budget + ` OR rn = 1`
 }
 
-// lateVar is the transaction-local setting through which lateSQL hands the lowest late
-// commit to the cursor claim that follows it in the same transaction.
-const lateVar = `onceflow.claim_late`
-
-// lateSQL builds the late-commit lookup that runs before the cursor claim, in the same
-// repeatable-read transaction (so both see one snapshot, the one the claim records): the
-// lowest id at or below the cursor whose transaction the reference snapshot did not see — the
-// transactions that started after it (a range bounded by the current snapshot, which cannot
-// see later ones anyway), and those it listed as in progress. It stores that id in lateVar
-// (empty when there is none). It runs with bitmap scans allowed, which a BRIN index needs.
-func (q *queries) lateSQL(s snapshot, shards int, c cursor) (string, []any) {
+// nextSQL builds the cursor claim: committed rows of the snapshot's shards above the cursor
+// (or above the lowest late commit below it), minus blocked chains, in id order, at most
+// limit rows and about budget bytes.
+//
+// late: rows at or below the cursor whose transaction the reference snapshot did not see,
+// found through the b-tree on tx (outbox_tx_idx, migration 0012): the transactions that
+// started after it (a range bounded by the current snapshot, which cannot see later ones
+// anyway: a few recent transactions), and those it listed as in progress (one probe each).
+// Both are index range scans whose cost depends on how many rows those transactions wrote,
+// not on the backlog, on dead rows or on any summary, and they take no lock but the
+// ACCESS SHARE every read takes: nothing an operator's VACUUM, ANALYZE or CREATE INDEX
+// CONCURRENTLY holds makes the claim wait. OFFSET 0 keeps the planner from turning min(id)
+// into a walk of the primary key; `id + 0` keeps it from reading the primary key up to the
+// cursor instead of the tx index (a generic plan cannot see how few rows the tx range holds).
+func (q *queries) nextSQL(s snapshot, shards int, c cursor, b blockedSet, limit int, budget int64) (string, []any) {
 	a := &claimArgs{}
+	pos := a.add(c.pos)
 	// NULL without a reference snapshot yet: no late commits to look for.
 	var xmax, xip any
 	if c.ref != "" {
 		xmax, xip = splitSnapshot(c.ref)
 	}
-	pos, xmaxArg, xipArg := a.add(c.pos), a.add(xmax), a.add(xip)
-	shard := a.shardFilter(s, shards)
-	const tx = `(tx::text)::bigint` // the expression outbox_tx_brin indexes
-	// Only the BRIN index may serve this: `id + 0` keeps the planner from reading the primary
-	// key up to the cursor instead (every row and dead entry below it; a generic plan, which
-	// cannot see how few rows the tx range holds, may well prefer that), and OFFSET 0 from
-	// turning min(id) into such a walk.
-	return `SELECT set_config('` + lateVar + `', coalesce((SELECT min(id) FROM (
-			SELECT id FROM ` + q.outbox + `
-			WHERE (` + tx + ` >= ` + xmaxArg + `::text::bigint AND ` + tx + ` < (pg_snapshot_xmax(pg_current_snapshot())::text)::bigint
-				OR ` + tx + ` = ANY(` + xipArg + `::text[]::bigint[]))
-			AND id + 0 <= ` + pos + shard + `
-			OFFSET 0) late)::text, ''), true)`, a.args
-}
-
-// summarizeEvery is how many ids the outbox hands out between two calls of outbox_summarize:
-// the BRIN lookup of late commits reads every heap page of the ranges not summarized yet, so
-// this bounds it to the pages of about this many rows, at the cost of one call per this many
-// writes.
-const summarizeEvery = 2000
-
-// summarize has the outbox's complete page ranges summarized (see lateSQL and migration 0007)
-// once summarizeEvery ids were handed out since the last time. After a large burst (a million
-// rows committed at once) one call does not reach the end: the relay calls again at once, so
-// its next lookups do not read the burst's pages.
-func (r *Relay) summarize(ctx context.Context, c *claimed) {
-	mark := r.sum.mark
-	if c.seq != nil {
-		mark = max(mark, *c.seq)
-	}
-	if n := len(c.msgs); n > 0 {
-		mark = max(mark, c.msgs[n-1].ID)
-	}
-	if mark-r.sum.mark < summarizeEvery {
-		return
-	}
-	for range 64 { // a bound, in case the table keeps growing faster than it is summarized
-		if !r.summarizeOnce(ctx, mark) || !r.sum.behind {
-			return
-		}
-	}
-}
-
-// summarizeOnce calls outbox_summarize once and reports whether it succeeded.
-func (r *Relay) summarizeOnce(ctx context.Context, mark int64) bool {
-	b := &pgx.Batch{}
-	b.Queue("BEGIN")
-	b.Queue("SET LOCAL synchronous_commit TO OFF") // a summary lost in a crash is redone
-	b.Queue(r.q.summarize, r.sum.next, r.sum.sweep)
-	b.Queue("COMMIT")
-	br := r.pool.SendBatch(ctx, b)
-	defer func() { _ = br.Close() }()
-	var next, complete, sweep int64
-	for i := range 4 {
-		var err error
-		if i == 2 {
-			err = br.QueryRow().Scan(&next, &complete, &sweep)
-		} else {
-			_, err = br.Exec()
-		}
-		if err != nil {
-			if ctx.Err() == nil {
-				r.log.Debug("relay could not summarize the outbox's tx index; late-commit lookups read more pages until it can", "err", err)
-			}
-			return false
-		}
-	}
-	r.sum = summaryState{mark: mark, next: next, sweep: sweep, behind: next < complete}
-	return true
-}
-
-// summaryState is where the relay's summarizing of the outbox stands.
-type summaryState struct {
-	mark   int64 // id sequence value at the last call
-	next   int64 // first page range not yet summarized by this relay
-	sweep  int64 // next range to re-summarize
-	behind bool  // the last call stopped before the last complete range
-}
-
-// nextSQL builds the cursor claim: committed rows of the snapshot's shards above the cursor
-// (or above the lowest late commit below it, which lateSQL found), minus blocked chains, in id
-// order, at most limit rows and about budget bytes.
-func (q *queries) nextSQL(s snapshot, shards int, c cursor, b blockedSet, limit int, budget int64) (string, []any) {
-	a := &claimArgs{}
-	pos := a.add(c.pos)
+	xmaxArg, xipArg := a.add(xmax), a.add(xip)
 	shard := a.shardFilter(s, shards)
 	var sb strings.Builder
-	sb.WriteString(`WITH low AS (SELECT LEAST(` + pos + `::bigint, NULLIF(current_setting('` + lateVar + `', true), '')::bigint - 1) AS lo),
+	sb.WriteString(`WITH late AS (
+		SELECT id FROM ` + q.outbox + `
+		WHERE tx >= ` + xmaxArg + `::text::xid8 AND tx < pg_snapshot_xmax(pg_current_snapshot()) AND id + 0 <= ` + pos + shard + `
+		UNION ALL
+		SELECT id FROM ` + q.outbox + ` WHERE tx = ANY(` + xipArg + `::text[]::xid8[]) AND id + 0 <= ` + pos + shard + `
+		OFFSET 0),
+	low AS (SELECT LEAST(` + pos + `::bigint, (SELECT min(id) - 1 FROM late)) AS lo),
 	batch AS (
 		SELECT ` + rowColumns + `, ` + rowSize + ` AS size FROM ` + q.outbox + `
 		WHERE id > (SELECT lo FROM low)` + shard)
@@ -263,38 +193,28 @@ func (q *queries) retrySQL(s snapshot, shards int, c cursor, b blockedSet, limit
 	return sb.String(), a.args
 }
 
-// planSettings pins the claim's plan to ordered index scans. The claim's bounds come from
-// parameters and from its own CTEs, so a generic plan (which pgx's prepared statements get
-// after five executions) cannot know that it reads a few rows past the cursor: planned while
-// the outbox was small, it may scan and sort the whole table, and keep doing so, dead rows
-// included, as the backlog grows. An ordered index walk is right at every size. The
-// late-commit lookup before it runs with lateSettings: no sequential scans either, but bitmap
-// scans, the only way to read a BRIN index.
-const (
-	lateSettings = `SELECT set_config('enable_seqscan', 'off', true)`
-	planSettings = `SELECT set_config('enable_bitmapscan', 'off', true)`
-)
+// planSettings pins the claim's plan to index scans. The claim's bounds come from parameters
+// and from its own CTEs, so a generic plan (which pgx's prepared statements get after five
+// executions) cannot know that it reads a few rows past the cursor: planned while the outbox
+// was small, it may scan and sort the whole table, and keep doing so, dead rows included, as
+// the backlog grows. An ordered index walk is right at every size. No parallel plan either:
+// starting workers costs milliseconds (measured: 0007's late-commit lookup, planned generic,
+// ran as a parallel bitmap heap scan at about 20 ms, for 110 buffers), and a claim reads a
+// batch.
+const planSettings = `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
+	set_config('max_parallel_workers_per_gather', '0', true)`
 
 // runClaim executes a claim query and decodes its header and rows. It runs in a read-only
-// transaction of its own, pipelined in one round trip, so the planner settings stay local; a
-// cursor claim (late != "") first runs the late-commit lookup, in a repeatable-read
-// transaction so that the lookup and the claim see the same snapshot.
-func (r *Relay) runClaim(ctx context.Context, kind claimKind, late string, lateArgs []any, sql string, args []any, limit int) (*claimed, error) {
+// transaction of its own, pipelined in one round trip, so the planner settings stay local.
+func (r *Relay) runClaim(ctx context.Context, kind claimKind, sql string, args []any, limit int) (*claimed, error) {
 	b := &pgx.Batch{}
-	if late != "" {
-		b.Queue("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-		b.Queue(lateSettings)
-		b.Queue(late, lateArgs...)
-	} else {
-		b.Queue("BEGIN READ ONLY")
-		b.Queue(lateSettings)
-	}
+	b.Queue("BEGIN READ ONLY")
 	b.Queue(planSettings)
 	b.Queue(sql, args...)
 	b.Queue("COMMIT")
 	br := r.pool.SendBatch(ctx, b)
 	defer func() { _ = br.Close() }()
-	for range b.Len() - 2 {
+	for range 2 {
 		if _, err := br.Exec(); err != nil {
 			return nil, err
 		}

@@ -210,22 +210,16 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 		kind = claimRetry
 	}
 	r.retriedLast = kind == claimRetry
-	var sql, late string
-	var args, lateArgs []any
+	var sql string
+	var args []any
 	if kind == claimRetry {
 		sql, args = r.q.retrySQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
 	} else {
-		if r.cur.ref != "" { // without a reference snapshot there are no late commits to look for
-			late, lateArgs = r.q.lateSQL(snap, r.cfg.Shards, r.cur)
-		}
 		sql, args = r.q.nextSQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
 	}
 	t0 := time.Now()
 	cctx, cancelClaim := context.WithTimeout(bctx, r.cfg.StatementTimeout)
-	c, err := r.runClaim(cctx, kind, late, lateArgs, sql, args, r.cfg.BatchSize)
-	if err == nil && kind == claimNext {
-		r.summarize(cctx, c)
-	}
+	c, err := r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize)
 	cancelClaim()
 	tClaim := time.Since(t0)
 	if err != nil {

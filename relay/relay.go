@@ -48,7 +48,6 @@ type Relay struct {
 	tr        *tracing.Tracer // send spans (trace.go)
 	flog      *failureLog     // publish failures, summed up (failurelog.go)
 	topics    *topicGate      // topics the broker refused as a whole (topicgate.go)
-	sum       summaryState    // summarizing of the outbox's BRIN index (claim.go)
 }
 
 // New validates cfg, reporting every problem at once (*ConfigError), and returns a relay

@@ -13,7 +13,6 @@ type queries struct {
 	shardCount                                                        string
 	deleteAcked, countFailure, park                                   string
 	sleep, wake                                                       string
-	summarize                                                         string
 	// seqLast reads the outbox id sequence's last value inside a claim (NULL::bigint until
 	// prepare found the sequence and may read it).
 	seqLast string
@@ -50,7 +49,6 @@ func newQueries(schema string) *queries {
 	q.sleep = `UPDATE ` + q.member + ` SET asleep_until = now() + make_interval(secs => $2::float8) WHERE id = $1`
 	q.wake = `UPDATE ` + q.member + ` SET asleep_until = 'epoch' WHERE id = $1 AND asleep_until <> 'epoch'`
 	q.seqLast = `NULL::bigint`
-	q.summarize = `SELECT next_range, complete, next_sweep FROM ` + pgsql.Ident(schema) + `.outbox_summarize($1, $2)`
 	// Renew only what is still ours: same owner and same epoch. A lease that expired but was
 	// not taken is still ours (nobody published in between).
 	q.renew = `UPDATE ` + q.lease + ` AS l SET expires_at = now() + make_interval(secs => $2::float8)

@@ -103,39 +103,24 @@ func TestClaimSQL(t *testing.T) {
 	q := newQueries("s")
 	all := snapshot{shards: []int{0, 1}, all: true}
 	sql, args := q.nextSQL(all, 2, cursor{}, blockedSet{}, 100, 1<<20)
-	if strings.Contains(sql, "key_hash %") || len(args) != 3 || args[0] != int64(0) {
-		t.Fatalf("owning every shard needs no filter: %s %v", sql, args)
-	}
-	late, args := q.lateSQL(all, 2, cursor{})
-	if strings.Contains(late, "key_hash %") || len(args) != 3 || args[0] != int64(0) || args[1] != nil || args[2] != nil {
-		t.Fatalf("a fresh cursor has no reference snapshot: %s %v", late, args)
+	if strings.Contains(sql, "key_hash %") || len(args) != 5 || args[0] != int64(0) || args[1] != nil || args[2] != nil {
+		t.Fatalf("owning every shard needs no filter, a fresh cursor no reference snapshot: %s %v", sql, args)
 	}
 	some := snapshot{shards: []int{3, 5}}
 	sql, args = q.nextSQL(some, 8, cursor{pos: 42, ref: "10:12:10,11"}, blockedSet{keys: []string{"k"}, ids: []int64{7}}, 50, 1<<20)
 	for _, want := range []string{
-		`id > (SELECT lo FROM low) AND key_hash % $2 = ANY($3::int[]) AND partition_key <> ALL($4::text[]) AND id <> ALL($5::bigint[]) ORDER BY id LIMIT $6`,
-		`LEAST($1::bigint, NULLIF(current_setting('onceflow.claim_late', true), '')::bigint - 1)`, `run <= $7 OR rn = 1`,
+		`id > (SELECT lo FROM low) AND key_hash % $4 = ANY($5::int[]) AND partition_key <> ALL($6::text[]) AND id <> ALL($7::bigint[]) ORDER BY id LIMIT $8`,
+		`tx >= $2::text::xid8`, `tx = ANY($3::text[]::xid8[])`, `id + 0 <= $1 AND key_hash % $4 = ANY($5::int[])`, `OFFSET 0`, `run <= $9 OR rn = 1`,
 	} {
 		if !strings.Contains(sql, want) {
 			t.Errorf("claim SQL lacks %q:\n%s", want, sql)
 		}
 	}
-	if len(args) != 7 || args[0] != int64(42) || args[1] != 8 || args[5] != 50 {
+	if len(args) != 9 || args[0] != int64(42) || args[1] != "12" || fmt.Sprint(args[2]) != "[10 11]" || args[3] != 8 || args[7] != 50 {
 		t.Fatalf("claim args %v", args)
 	}
-	late, args = q.lateSQL(some, 8, cursor{pos: 42, ref: "10:12:10,11"})
-	for _, want := range []string{
-		`(tx::text)::bigint >= $2::text::bigint`, `(tx::text)::bigint = ANY($3::text[]::bigint[])`, `id + 0 <= $1 AND key_hash % $4 = ANY($5::int[])`, `OFFSET 0`,
-	} {
-		if !strings.Contains(late, want) {
-			t.Errorf("late-commit SQL lacks %q:\n%s", want, late)
-		}
-	}
-	if len(args) != 5 || args[0] != int64(42) || args[1] != "12" || fmt.Sprint(args[2]) != "[10 11]" {
-		t.Fatalf("late-commit args %v", args)
-	}
-	if strings.Contains(sql+late, "FOR UPDATE") || strings.Contains(sql+late, "xmin") {
-		t.Fatalf("the claim must read committed rows without locks or waits: %s\n%s", late, sql)
+	if strings.Contains(sql, "FOR UPDATE") || strings.Contains(sql, "xmin") || strings.Contains(sql, "summarize") {
+		t.Fatalf("the claim must read committed rows without locks or waits: %s", sql)
 	}
 	if xmax, xip := splitSnapshot("5:9:"); xmax != "9" || len(xip) != 0 || xip == nil {
 		t.Fatalf("splitSnapshot of an empty list = %q %v", xmax, xip)

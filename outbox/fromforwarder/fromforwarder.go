@@ -13,9 +13,27 @@
 //
 // The batch transaction locks the consumer group's offset row (or the queue rows) exactly as
 // the forwarder's subscriber does, so even a forwarder that was not stopped cannot publish a
-// row that was moved, nor can a row be moved that it published. Move still refuses to start
-// while another session uses the forwarder's tables (see ErrForwarderRunning), because rows
-// split between the two paths would lose their order per key across the switch.
+// row once it was moved, and Move never moves a row the forwarder acknowledged. A row the
+// forwarder published but did not acknowledge (killed between its publish and its ack) is
+// still pending in the table: Move moves it and the relay publishes it again, under the same
+// UUID — a duplicate, which a consumer behind onceflow's inbox skips, never a loss. Move still
+// refuses to start while another session uses the forwarder's tables (see
+// ErrForwarderRunning), because rows split between the two paths would lose their order per
+// key across the switch.
+//
+// Every row a forwarder table can hold moves: a Watermill UUID that is not a UUID (a ULID, a
+// short UUID, any string: all valid Watermill ids) gets the deterministic event id
+// UUIDv5(IDNamespace, original), and the original is kept in the metadata entry
+// MetadataOriginalUUID (also for a UUID written in another form than the canonical one);
+// payloads are accepted up to Config.MaxPayloadBytes (default 64 MiB, the relay's batch
+// budget). A row that still cannot be moved (not a forwarder envelope, over the limit) stops
+// the move with an error naming it, or, with Config.SkipUnmovable, is set aside in
+// forwarder_move_skipped (envelope and reason) and reported, and the move goes on.
+//
+// Move reports the table drained only once every transaction that was already open when it
+// started has ended (wherever it got its transaction id: a transaction that began before the
+// move and writes its row afterwards is waited for) and no committed row is left behind an
+// older transaction (the forwarder's visibility rule).
 //
 // The `onceflow migrate from-forwarder` command runs Move.
 package fromforwarder
@@ -31,6 +49,7 @@ import (
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -57,7 +76,21 @@ const (
 	DefaultBatchSize    = 500
 	DefaultWaitOpenTxns = time.Minute
 	DefaultCheckWindow  = 5 * time.Second
+	// DefaultMaxPayloadBytes is the relay's own bound, the byte budget of one batch
+	// (relay.DefaultMaxBatchBytes; a larger row still goes, alone). The Kafka sink refuses
+	// records above its MaxMessageBytes (about 1 MB by default): Result.Largest says what to
+	// raise it to.
+	DefaultMaxPayloadBytes = 64 << 20
 )
+
+// MetadataOriginalUUID is the metadata entry that keeps a moved message's Watermill UUID when
+// its event id differs from it (an id that is not a UUID, or a UUID not in canonical form).
+const MetadataOriginalUUID = "watermill_original_uuid"
+
+// IDNamespace is the namespace of the UUIDv5 event id given to a message whose Watermill UUID
+// is not a UUID: uuid.NewSHA1(IDNamespace, []byte(original)). The same message moved twice
+// (a rerun, a rollback and a new move) gets the same id, so consumers' dedup still works.
+var IDNamespace = uuid.MustParse("8a5f3c2e-6b1d-4f7a-9c3e-2d4b6a8f0e17")
 
 // ErrForwarderRunning is returned when the forwarder's subscriber still reads the table. Move
 // looks twice: sessions whose current statement (pg_stat_activity) uses the offsets table
@@ -109,6 +142,15 @@ type Config struct {
 	PartitionKeyMetadata string
 	// BatchSize is the number of rows per transaction. Default 500.
 	BatchSize int
+	// MaxPayloadBytes is the largest message payload moved. Default DefaultMaxPayloadBytes
+	// (64 MiB).
+	MaxPayloadBytes int
+	// SkipUnmovable sets rows that cannot be moved (not a forwarder envelope, payload over
+	// MaxPayloadBytes) aside in the forwarder_move_skipped table, with their envelope and the
+	// reason, consumes them like moved rows and goes on (Result.Skipped lists them). Default
+	// false: such a row stops the move with an error naming it, before anything of its batch
+	// is moved.
+	SkipUnmovable bool
 	// DryRun reads what would be moved and changes nothing.
 	DryRun bool
 	// Force skips the check for a running forwarder (ErrForwarderRunning).
@@ -137,8 +179,17 @@ type Result struct {
 	HeldBack int
 	FirstID  string // Watermill UUID of the first moved message
 	LastID   string // and of the last
-	// TotalMoved counts the rows moved from this table by every run so far, this one
-	// included (the forwarder_move bookkeeping table, migration 0010).
+	// Remapped counts moved messages whose event id differs from their Watermill UUID (kept
+	// in MetadataOriginalUUID).
+	Remapped int
+	// Skipped lists the rows set aside (Config.SkipUnmovable; DryRun: every row that cannot
+	// be moved, with or without SkipUnmovable).
+	Skipped []Skipped
+	// Largest is the largest payload moved, in bytes: the relay's sink must accept it
+	// (relaykafka's MaxMessageBytes, --max-message-bytes, and the topic's max.message.bytes).
+	Largest int
+	// TotalMoved counts the rows moved (or set aside) from this table by every run so far,
+	// this one included (the forwarder_move bookkeeping table, migration 0010).
 	TotalMoved int64
 	// Start is the forwarder's position before the first row was moved, by the first run
 	// (recorded in forwarder_move, so a rerun after a crash reports the same): the
@@ -151,6 +202,13 @@ type Result struct {
 	// skips those the relay already delivered). For the queue adapter it un-acks the moved rows
 	// (impossible after Delete).
 	RollbackSQL string
+}
+
+// Skipped is a row set aside instead of moved.
+type Skipped struct {
+	Offset int64
+	UUID   string // the row's uuid column
+	Reason string
 }
 
 // Position is a default-adapter consumer group's offset: the last consumed row.
@@ -206,8 +264,9 @@ type mover struct {
 	tableName, offsName string // unquoted last parts
 	writer              *outbox.Writer
 	log                 *slog.Logger
-	// source names the moved table in forwarder_move; book is that table.
-	source, book string
+	// source names the moved table in forwarder_move; book is that table, skipped the table
+	// of rows set aside.
+	source, book, skipped string
 }
 
 func newMover(cfg Config) (*mover, error) {
@@ -229,6 +288,12 @@ func newMover(cfg Config) (*mover, error) {
 	}
 	if cfg.CheckWindow == 0 {
 		cfg.CheckWindow = DefaultCheckWindow
+	}
+	if cfg.MaxPayloadBytes == 0 {
+		cfg.MaxPayloadBytes = DefaultMaxPayloadBytes
+	}
+	if cfg.MaxPayloadBytes < 0 {
+		problems = append(problems, fmt.Errorf("MaxPayloadBytes %d: use 0 for the default (%d) or a positive limit", cfg.MaxPayloadBytes, DefaultMaxPayloadBytes))
 	}
 	if cfg.WaitOpenTransactions == 0 {
 		cfg.WaitOpenTransactions = DefaultWaitOpenTxns
@@ -263,7 +328,7 @@ func newMover(cfg Config) (*mover, error) {
 		problems = append(problems, err)
 	}
 	// No NOTIFY: the relays are not running yet during a switch (and wake up by polling).
-	if m.writer, err = outbox.NewWriter(outbox.Config{Schema: cfg.Schema, DisableNotify: true}); err != nil {
+	if m.writer, err = outbox.NewWriter(outbox.Config{Schema: cfg.Schema, DisableNotify: true, MaxPayloadBytes: max(cfg.MaxPayloadBytes, 1)}); err != nil {
 		problems = append(problems, err)
 	}
 	if err := config.Check("fromforwarder", problems...); err != nil {
@@ -272,6 +337,7 @@ func newMover(cfg Config) (*mover, error) {
 	m.cfg = cfg
 	m.source = cfg.Adapter + " " + m.table + " " + cfg.ConsumerGroup
 	m.book = pgsql.Table(cfg.Schema, "forwarder_move")
+	m.skipped = pgsql.Table(cfg.Schema, "forwarder_move_skipped")
 	return m, nil
 }
 
@@ -291,21 +357,34 @@ type envelope struct {
 	Metadata         map[string]string `json:"metadata"`
 }
 
-// unwrap turns a row into the message the forwarder would have published.
+// unwrap turns a row into the message the forwarder would have published. An error means
+// the row cannot be moved (see Config.SkipUnmovable).
 func (m *mover) unwrap(r pendingRow) (*message.Message, string, error) {
 	var e envelope
 	if err := json.Unmarshal(r.payload, &e); err != nil {
-		return nil, "", fmt.Errorf("row offset %d (uuid %s) is not a forwarder envelope: %w", r.offset, r.uuid, err)
+		return nil, "", fmt.Errorf("not a forwarder envelope: %w", err)
 	}
 	if e.DestinationTopic == "" {
-		return nil, "", fmt.Errorf("row offset %d (uuid %s) is not a forwarder envelope: no destination_topic", r.offset, r.uuid)
+		return nil, "", errors.New("not a forwarder envelope: no destination_topic")
+	}
+	if len(e.Payload) > m.cfg.MaxPayloadBytes {
+		return nil, "", fmt.Errorf("payload of %d bytes, over the %d-byte limit (Config.MaxPayloadBytes, --max-payload-bytes)", len(e.Payload), m.cfg.MaxPayloadBytes)
 	}
 	if e.Payload == nil {
 		e.Payload = []byte{}
 	}
-	msg := message.NewMessage(e.UUID, e.Payload)
+	var id string
+	if u, err := uuid.Parse(e.UUID); err != nil {
+		id = uuid.NewSHA1(IDNamespace, []byte(e.UUID)).String()
+	} else {
+		id = u.String()
+	}
+	msg := message.NewMessage(id, e.Payload)
 	for k, v := range e.Metadata {
 		msg.Metadata.Set(k, v)
+	}
+	if id != e.UUID {
+		msg.Metadata.Set(MetadataOriginalUUID, e.UUID)
 	}
 	if key := e.Metadata[m.cfg.PartitionKeyMetadata]; key != "" {
 		outbox.SetPartitionKey(msg, key)
@@ -332,11 +411,19 @@ func (m *mover) run(ctx context.Context, pool *pgxpool.Pool) (res Result, _ erro
 			return res, err
 		}
 	}
-	// Transactions with an id below horizon were open (or done) when Move started; one of
-	// them may be a producer whose row is not visible yet.
-	var horizon string
-	var started time.Time
-	if err := pool.QueryRow(ctx, `SELECT pg_snapshot_xmax(pg_current_snapshot())::text, now()`).Scan(&horizon, &started); err != nil {
+	// What was open when Move started: the transactions of this database's sessions, each of
+	// which holds its virtual transaction id from its first statement on, whether or not it
+	// took a transaction id yet (a transaction that began before the move may write its row
+	// only afterwards, with a transaction id newer than any the move saw), and the prepared
+	// transactions. One of them may be a producer whose row is not written or not visible yet.
+	// pg_locks shows every session's locks to any role.
+	var openAtStart, preparedAtStart []string
+	if err := pool.QueryRow(ctx, `SELECT
+		coalesce((SELECT array_agg(l.virtualxid) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+			WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_backend_pid()
+			AND a.datname = current_database() AND a.backend_type = 'client backend'), '{}'),
+		coalesce((SELECT array_agg(transaction::text) FROM pg_prepared_xacts WHERE database = current_database()), '{}')`).
+		Scan(&openAtStart, &preparedAtStart); err != nil {
 		return res, fmt.Errorf("fromforwarder: %w", err)
 	}
 	var after Position // dry run: where the next read starts
@@ -379,27 +466,45 @@ func (m *mover) run(ctx context.Context, pool *pgxpool.Pool) (res Result, _ erro
 		if n > 0 {
 			continue
 		}
-		// Nothing visible is left. Done once no transaction older than the start is open.
-		var open bool
-		if err := pool.QueryRow(ctx, `SELECT pg_snapshot_xmin(pg_current_snapshot()) < $1::text::xid8`, horizon).Scan(&open); err != nil {
-			return res, fmt.Errorf("fromforwarder: %w", err)
-		}
-		if !open {
+		if m.cfg.DryRun {
+			// Rows held back behind an older transaction would move once it ends: wait for
+			// them as a move would, then report those still held back.
+			if m.cfg.Adapter == AdapterDefault {
+				held, err := m.heldBack(ctx, pool, after)
+				if err != nil {
+					return res, err
+				}
+				if deadline.IsZero() {
+					deadline = time.Now().Add(m.cfg.WaitOpenTransactions)
+				}
+				if held > 0 && m.cfg.WaitOpenTransactions >= 0 && time.Now().Before(deadline) {
+					select {
+					case <-ctx.Done():
+						return res, ctx.Err()
+					case <-time.After(200 * time.Millisecond): // polling: PostgreSQL signals no transaction end
+					}
+					continue
+				}
+				res.HeldBack = held
+			}
 			break
 		}
-		if m.cfg.DryRun {
-			if m.cfg.Adapter == AdapterDefault {
-				_ = pool.QueryRow(ctx, `SELECT count(*) FROM `+m.table+` WHERE (transaction_id = $1::text::xid8 AND "offset" > $2) OR transaction_id > $1::text::xid8`,
-					after.TransactionID, after.Offset).Scan(&res.HeldBack)
-			}
+		// Nothing movable is left. Drained once every transaction open at the start has ended
+		// and no committed row waits behind an older transaction.
+		waiting, err := m.waitingFor(ctx, pool, openAtStart, preparedAtStart, after)
+		if err != nil {
+			return res, err
+		}
+		if waiting == "" {
 			break
 		}
 		if deadline.IsZero() {
 			deadline = time.Now().Add(m.cfg.WaitOpenTransactions)
+			m.log.Info("fromforwarder waiting", "for", waiting, "up_to", m.cfg.WaitOpenTransactions)
 		}
 		if time.Now().After(deadline) || m.cfg.WaitOpenTransactions < 0 {
 			res.Keys = len(keys)
-			return res, fmt.Errorf("%w: %s", ErrOpenTransactions, m.openTransactions(ctx, pool, started))
+			return res, fmt.Errorf("%w: %s", ErrOpenTransactions, waiting)
 		}
 		select {
 		case <-ctx.Done():
@@ -504,20 +609,43 @@ func (m *mover) batch(ctx context.Context, pool *pgxpool.Pool, res *Result, keys
 	if len(batch) == 0 {
 		return 0, nil
 	}
-	msgs := make([]*message.Message, len(batch))
-	for i, r := range batch {
+	msgs := make([]*message.Message, 0, len(batch))
+	var skipped []Skipped
+	var skippedRows []pendingRow
+	largest, remapped := 0, 0
+	for _, r := range batch {
 		msg, topic, err := m.unwrap(r)
 		if err != nil {
-			return 0, fmt.Errorf("fromforwarder: %w; nothing of this batch was moved", err)
+			if !m.cfg.SkipUnmovable && !m.cfg.DryRun { // a dry run lists them all
+				return 0, fmt.Errorf("fromforwarder: row offset %d (uuid %s) cannot be moved: %w; nothing of this batch was moved. "+
+					"Rerun with SkipUnmovable (--skip-unmovable) to set such rows aside in %s and go on", r.offset, r.uuid, err, m.skipped)
+			}
+			skipped = append(skipped, Skipped{Offset: r.offset, UUID: r.uuid, Reason: err.Error()})
+			skippedRows = append(skippedRows, r)
+			continue
 		}
-		msgs[i] = msg
+		msgs = append(msgs, msg)
 		res.Topics[topic]++
 		keys[outbox.PartitionKey(msg)] = struct{}{}
+		largest = max(largest, len(msg.Payload))
+		if msg.Metadata.Get(MetadataOriginalUUID) != "" {
+			remapped++
+		}
 	}
 	last := batch[len(batch)-1]
+	lowest := batch[0].offset // queue adapter: rows come in offset order
 	if !m.cfg.DryRun {
-		if err := m.writer.WriteTx(ctx, tx, "", msgs...); err != nil {
-			return 0, fmt.Errorf("fromforwarder: %w", err)
+		if len(msgs) > 0 {
+			if err := m.writer.WriteTx(ctx, tx, "", msgs...); err != nil {
+				return 0, fmt.Errorf("fromforwarder: %w", err)
+			}
+		}
+		for _, r := range skippedRows {
+			if _, err := tx.Exec(ctx, `INSERT INTO `+m.skipped+` (source, "offset", transaction_id, uuid, envelope, reason) VALUES ($1, $2, $3, $4, $5, $6)
+				ON CONFLICT (source, "offset", transaction_id) DO NOTHING`,
+				m.source, r.offset, r.txid, r.uuid, r.payload, skippedReason(skipped, r.offset)); err != nil {
+				return 0, m.explain(err)
+			}
 		}
 		if m.cfg.Adapter == AdapterDefault {
 			_, err = tx.Exec(ctx, `UPDATE `+m.offsets+` SET offset_acked = $2, last_processed_transaction_id = $3::text::xid8 WHERE consumer_group = $1`,
@@ -536,33 +664,57 @@ func (m *mover) batch(ctx context.Context, pool *pgxpool.Pool, res *Result, keys
 		if err != nil {
 			return 0, m.explain(err)
 		}
+		var firstID, lastID *string
+		if len(msgs) > 0 {
+			firstID, lastID = &msgs[0].UUID, &msgs[len(msgs)-1].UUID
+		}
+		// Queue adapter: start_offset is the lowest offset ever moved, so the printed way back
+		// also un-acks a row that committed late with an offset below the first batch's.
 		if _, err := tx.Exec(ctx, `UPDATE `+m.book+` SET moved = moved + $2,
-			start_offset = CASE WHEN moved = 0 AND $3 THEN $4 ELSE start_offset END,
-			first_event_id = coalesce(first_event_id, $5::uuid), last_event_id = $6::uuid, updated_at = now()
-			WHERE source = $1`, m.source, len(batch), m.cfg.Adapter == AdapterQueue, batch[0].offset, msgs[0].UUID, msgs[len(msgs)-1].UUID); err != nil {
+			start_offset = CASE WHEN NOT $3 THEN start_offset WHEN moved = 0 THEN $4 ELSE least(start_offset, $4) END,
+			first_event_id = coalesce(first_event_id, $5::uuid), last_event_id = coalesce($6::uuid, last_event_id), updated_at = now()
+			WHERE source = $1`, m.source, len(batch), m.cfg.Adapter == AdapterQueue, lowest, firstID, lastID); err != nil {
 			return 0, m.explain(err)
 		}
 		if err := tx.Commit(ctx); err != nil {
 			return 0, fmt.Errorf("fromforwarder: commit: %w", err)
 		}
 	}
-	if res.Moved == 0 {
-		res.FirstID = msgs[0].UUID
+	if len(msgs) > 0 {
+		if res.FirstID == "" {
+			res.FirstID = msgs[0].UUID
+		}
+		res.LastID = msgs[len(msgs)-1].UUID
 	}
-	if res.TotalMoved == 0 && m.cfg.Adapter == AdapterQueue {
-		res.Start.Offset = batch[0].offset
+	if m.cfg.Adapter == AdapterQueue {
+		if res.TotalMoved == 0 && res.Batches == 0 {
+			res.Start.Offset = lowest
+		} else {
+			res.Start.Offset = min(res.Start.Offset, lowest)
+		}
 	}
-	res.Moved += len(batch)
+	res.Moved += len(msgs)
+	res.Skipped = append(res.Skipped, skipped...)
+	res.Largest = max(res.Largest, largest)
+	res.Remapped += remapped
 	if !m.cfg.DryRun {
 		res.TotalMoved += int64(len(batch))
 	}
 	res.Batches++
-	res.LastID = msgs[len(msgs)-1].UUID
 	*after = Position{TransactionID: last.txid, Offset: last.offset}
 	res.End = *after
-	m.log.Info("fromforwarder batch", "rows", len(batch), "moved", res.Moved, "last_uuid", res.LastID,
+	m.log.Info("fromforwarder batch", "rows", len(batch), "skipped", len(skipped), "moved", res.Moved, "last_uuid", res.LastID,
 		"first_tx", batch[0].txid, "first_offset", batch[0].offset, "last_tx", last.txid, "last_offset", last.offset, "dry_run", m.cfg.DryRun)
 	return len(batch), nil
+}
+
+func skippedReason(skipped []Skipped, offset int64) string {
+	for _, s := range skipped {
+		if s.Offset == offset {
+			return s.Reason
+		}
+	}
+	return ""
 }
 
 // checkActivity refuses when the forwarder's subscriber is seen reading the table.
@@ -642,24 +794,71 @@ func likeEscape(s string) string {
 	return strings.NewReplacer(`\`, `\\`, `%`, `\%`, `_`, `\_`).Replace(s)
 }
 
-// openTransactions describes the sessions whose transactions hold the horizon back.
-func (m *mover) openTransactions(ctx context.Context, pool *pgxpool.Pool, started time.Time) string {
-	rows, err := pool.Query(ctx, `SELECT pid, coalesce(application_name, ''), coalesce(extract(epoch FROM now() - xact_start), 0)::bigint
-		FROM pg_stat_activity WHERE backend_xid IS NOT NULL AND xact_start < $1 AND pid <> pg_backend_pid()`, started)
+// heldBack counts the committed rows after the default adapter's position pos that the
+// forwarder's visibility rule holds back (a transaction older than them is still open).
+func (m *mover) heldBack(ctx context.Context, pool *pgxpool.Pool, pos Position) (int, error) {
+	var n int
+	err := pool.QueryRow(ctx, `SELECT count(*) FROM `+m.table+` WHERE (transaction_id = $1::text::xid8 AND "offset" > $2) OR transaction_id > $1::text::xid8`,
+		pos.TransactionID, pos.Offset).Scan(&n)
 	if err != nil {
-		return "(could not list them: " + err.Error() + ")"
+		return 0, m.explain(err)
 	}
-	defer rows.Close()
-	var out []string
+	return n, nil
+}
+
+// waitingFor describes what keeps the move from being done ("" when nothing does): the
+// transactions of openAtStart and preparedAtStart still open, and, default adapter, committed
+// rows after pos that wait behind an older transaction.
+func (m *mover) waitingFor(ctx context.Context, pool *pgxpool.Pool, openAtStart, preparedAtStart []string, pos Position) (string, error) {
+	var parts []string
+	rows, err := pool.Query(ctx, `SELECT l.pid, coalesce(a.application_name, ''), coalesce(extract(epoch FROM now() - a.xact_start), -1)::bigint
+		FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+		WHERE l.locktype = 'virtualxid' AND l.granted AND l.virtualxid = ANY($1) ORDER BY l.pid`, openAtStart)
+	if err != nil {
+		return "", fmt.Errorf("fromforwarder: read pg_locks: %w", err)
+	}
+	var open []string
 	for rows.Next() {
 		var pid, secs int64
 		var app string
-		if rows.Scan(&pid, &app, &secs) == nil {
-			out = append(out, fmt.Sprintf("pid %d (application %q, open %ds)", pid, app, secs))
+		if err := rows.Scan(&pid, &app, &secs); err != nil {
+			rows.Close()
+			return "", fmt.Errorf("fromforwarder: read pg_locks: %w", err)
+		}
+		age := "open since before the move"
+		if secs >= 0 {
+			age = fmt.Sprintf("open %ds", secs)
+		}
+		open = append(open, fmt.Sprintf("pid %d (application %q, %s)", pid, app, age))
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return "", fmt.Errorf("fromforwarder: read pg_locks: %w", err)
+	}
+	if len(open) > 0 {
+		parts = append(parts, "transactions that began before the move are still open: "+strings.Join(open, "; "))
+	}
+	var prepared []string
+	if len(preparedAtStart) > 0 {
+		prows, err := pool.Query(ctx, `SELECT gid FROM pg_prepared_xacts WHERE transaction::text = ANY($1) ORDER BY gid`, preparedAtStart)
+		if err != nil {
+			return "", fmt.Errorf("fromforwarder: read pg_prepared_xacts: %w", err)
+		}
+		if prepared, err = pgx.CollectRows(prows, pgx.RowTo[string]); err != nil {
+			return "", fmt.Errorf("fromforwarder: read pg_prepared_xacts: %w", err)
 		}
 	}
-	if len(out) == 0 {
-		return "transactions of other databases of the cluster (pg_stat_activity of this database shows none)"
+	if len(prepared) > 0 {
+		parts = append(parts, "prepared transactions older than the move are neither committed nor rolled back: "+strings.Join(prepared, ", "))
 	}
-	return strings.Join(out, "; ")
+	if m.cfg.Adapter == AdapterDefault {
+		n, err := m.heldBack(ctx, pool, pos)
+		if err != nil {
+			return "", err
+		}
+		if n > 0 {
+			parts = append(parts, fmt.Sprintf("%d committed rows wait behind an older transaction still open in the cluster (the forwarder's visibility rule: transaction_id below every running one)", n))
+		}
+	}
+	return strings.Join(parts, "; "), nil
 }
