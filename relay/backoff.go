@@ -4,21 +4,15 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"time"
+
+	"github.com/onceflow/onceflow/internal/failure"
 )
 
-// backoffDelay is the wait after the n-th consecutive failure (n ≥ 1): base·2^(n-1), capped at
-// max, then spread by ±25% jitter (jitter in [0,1)) so relays and keys do not retry in step.
+// backoffDelay is the wait after the n-th consecutive failure (n ≥ 1): failure.Backoff
+// (base·2^(n-1), capped at max), then spread by ±25% jitter (jitter in [0,1)) so relays and
+// keys do not retry in step.
 func backoffDelay(base, max time.Duration, n int, jitter float64) time.Duration {
-	if n < 1 {
-		n = 1
-	}
-	d := base
-	for i := 1; i < n && d < max; i++ {
-		d *= 2
-	}
-	if d > max {
-		d = max
-	}
+	d := failure.Backoff(base, max, n)
 	spread := time.Duration(float64(d) * 0.5 * jitter)
 	return d - d/4 + spread
 }
