@@ -330,8 +330,7 @@ func (o *Orchestrator) Run(ctx context.Context) error {
 	t := time.NewTimer(o.cfg.TimerInterval)
 	defer t.Stop()
 	var (
-		backoff  time.Duration // the wait after the last failed round; 0 while rounds work
-		failures int
+		failures int // rounds failed in a row
 		since    time.Time
 	)
 	for {
@@ -346,14 +345,13 @@ func (o *Orchestrator) Run(ctx context.Context) error {
 			if failures == 1 {
 				since = time.Now()
 			}
-			backoff = failure.Backoff(o.cfg.TimerInterval, max(runBackoffCap, o.cfg.TimerInterval), failures)
-			wait = backoff
+			wait = failure.Backoff(o.cfg.TimerInterval, max(runBackoffCap, o.cfg.TimerInterval), failures)
 			o.cfg.Logger.Error("saga: firing due timers failed; backing off before the next round",
-				"err", err, "retry_in", backoff, "failures", failures)
+				"err", err, "retry_in", wait, "failures", failures)
 		case failures > 0:
 			o.cfg.Logger.Info("saga: firing due timers works again", "failures", failures,
 				"failing_for", time.Since(since).Round(time.Millisecond))
-			failures, backoff = 0, 0
+			failures = 0
 		}
 		t.Reset(wait)
 		select {
