@@ -332,36 +332,55 @@ var ErrPastPivot = fmt.Errorf("%w: the saga is past its pivot", ErrWrongState)
 
 // CompensateTx asks the orchestrator to stop a running saga and compensate the steps that took
 // effect (including the current one: the barrier makes that a no-op if its action never ran).
-// A saga past its pivot cannot be compensated: when the Admin knows the saga's definition
-// (NewAdmin's defs) it refuses one with ErrPastPivot; otherwise the orchestrator drops the
-// request (and logs it).
+// A saga past its pivot cannot be compensated: it is refused with ErrPastPivot when the Admin
+// knows the saga's definition (NewAdmin's defs) or the saga's history records its pivot (every
+// saga started since that was added); for older sagas the orchestrator drops the request (and
+// logs it).
 func (a *Admin) CompensateTx(ctx context.Context, tx pgx.Tx, id string) error {
 	return a.request(ctx, tx, id, actCompensate, func(in *instance) error {
 		if in.State != StateRunning {
 			return fmt.Errorf("%w: saga %q is %s; only a running saga can be compensated", ErrWrongState, id, in.State)
 		}
-		if d, ok := a.defs[knownKey{in.Name, in.Version}]; ok && in.Step >= d.pivotIndex() {
-			pivot := fmt.Sprintf("step %d", d.pivotIndex())
-			if p := d.pivotIndex(); p < len(in.Steps) {
-				pivot = fmt.Sprintf("%q", in.Steps[p].Name)
-			}
-			return fmt.Errorf("%w: saga %q is at step %q, on or after its pivot %s, and can only go forward; "+
-				"a compensation would be dropped (fix what blocks the step instead)", ErrPastPivot, id, in.Steps[in.Step].Name, pivot)
+		p := recordedPivot(in) // sagas started since the pivot is recorded with them
+		if d, ok := a.defs[knownKey{in.Name, in.Version}]; ok {
+			p = d.pivotIndex()
+		}
+		if p >= 0 && p < len(in.Steps) && in.Step >= p {
+			return fmt.Errorf("%w: saga %q is at step %q, on or after its pivot %q, and can only go forward; "+
+				"a compensation would be dropped (fix what blocks the step instead)", ErrPastPivot, id, in.Steps[in.Step].Name, in.Steps[p].Name)
 		}
 		return nil
 	})
 }
 
-// PastPivot reports whether the Admin knows the saga's definition and the saga is on or past
-// its pivot (so CompensateTx would refuse it); known is false without the definition.
+// recordedPivot is the index of the step the saga's history marks as its pivot, or −1.
+func recordedPivot(in *instance) int {
+	for i, s := range in.Steps {
+		if s.Pivot {
+			return i
+		}
+	}
+	return -1
+}
+
+// PastPivot reports whether the saga is on or past its pivot (so CompensateTx would refuse
+// it); known is false when neither the Admin knows the definition nor the saga's history
+// records its pivot.
 func (a *Admin) PastPivot(d *Detail) (past, known bool) {
-	def, ok := a.defs[knownKey{d.Name, d.Version}]
-	if !ok {
+	pivot := -1
+	for i, s := range d.Steps {
+		if s.Pivot {
+			pivot = i
+		}
+	}
+	if def, ok := a.defs[knownKey{d.Name, d.Version}]; ok {
+		pivot = def.pivotIndex()
+	} else if pivot < 0 {
 		return false, false
 	}
 	for i, s := range d.Steps {
 		if s.Name == d.Step && !d.State.Finished() {
-			return i >= def.pivotIndex(), true
+			return i >= pivot, true
 		}
 	}
 	return false, true

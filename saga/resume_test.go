@@ -153,3 +153,46 @@ func TestSettlingAnAppliedReplyLeavesTheSagaAlone(t *testing.T) {
 		t.Fatalf("%d poison rows for a reply that was applied", n)
 	}
 }
+
+// A saga at its pivot step is refused a compensation up front, by an Admin that does not know
+// its definition (the CLI's): the pivot is recorded in the saga's history when it starts.
+func TestCompensatePastThePivotRefusedWithoutTheDefinition(t *testing.T) {
+	t.Parallel()
+	steps := []*saga.StepDef[Checkout]{
+		saga.Step[Checkout]("reserve").Send("cmd.reserve", cmdOf).Compensate("undo.reserve", cmdOf),
+		saga.Step[Checkout]("charge").Send("cmd.charge", cmdOf).Pivot(),
+	}
+	def, err := saga.Define("checkout", 1, steps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := newWorld(t, def, "charge")
+	ctx := context.Background()
+	late := w.start("o-late")
+	if err := w.bus.RunUntil(ctx, func() bool { return w.get(late).Step == "charge" }); err != nil {
+		t.Fatal(err)
+	}
+	early := w.start("o-early") // still at reserve: before the pivot
+	admin := w.admin()          // no definitions, as the CLI's
+	compensate := func(id string) error {
+		return pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return admin.CompensateTx(ctx, tx, id) })
+	}
+	err = compensate(late)
+	if !errors.Is(err, saga.ErrPastPivot) || !strings.Contains(err.Error(), `pivot "charge"`) {
+		t.Fatalf("compensate at the pivot: %v, want ErrPastPivot naming the pivot", err)
+	}
+	for _, tm := range w.get(late).Timers {
+		if tm.Kind == "operator" {
+			t.Fatalf("a refused request was filed: %+v", tm)
+		}
+	}
+	if d := w.get(late); !d.Steps[1].Pivot || d.Steps[0].Pivot {
+		t.Fatalf("pivot not recorded on its step: %+v", d.Steps)
+	}
+	if err := compensate(early); err != nil {
+		t.Fatalf("compensate before the pivot: %v", err)
+	}
+	if past, known := admin.PastPivot(w.get(early)); past || !known {
+		t.Fatalf("PastPivot before the pivot = %v, %v", past, known)
+	}
+}

@@ -216,7 +216,7 @@ func start[D any](ctx context.Context, tx starter, def *Definition[D], data D, o
 		Trace: tracing.New(wc.TracerProvider, wc.Propagator).Inject(ctx, nil)}
 	for i, s := range def.steps {
 		in.Steps[i] = StepHistory{Name: s.name, Status: stepPending, Local: s.local != nil,
-			LocalCompensation: s.compLocal != nil}
+			LocalCompensation: s.compLocal != nil, Pivot: i == def.pivotIndex()}
 	}
 	m := &machine{def: def, now: now, in: in}
 	pgxTx, canRun := tx.(pgxStarter)

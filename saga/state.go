@@ -85,6 +85,10 @@ type StepHistory struct {
 	// local action or compensation, its runs).
 	Attempts     int `json:"attempts,omitempty"`
 	CompAttempts int `json:"comp_attempts,omitempty"`
+	// Pivot marks the definition's pivot step, recorded when the saga starts: from it on the
+	// saga only goes forward, and an Admin that does not know the definition can still refuse
+	// a compensation past it.
+	Pivot bool `json:"pivot,omitempty"`
 	// Uncertain is set when an attempt timed out (or a deadline or operator interrupted it):
 	// its effect is unknown, so the step is compensated too (a no-op if it never ran).
 	Uncertain bool `json:"uncertain,omitempty"`

@@ -340,9 +340,14 @@ func (c *cli) sagaRequest(ctx context.Context, action string, args []string) err
 			}
 		}
 		if action == "compensate" {
-			// The CLI has no definitions, so it cannot refuse a saga past its pivot up front
-			// (saga.NewAdmin with the definitions does): say what happens then.
-			caveat = "; if the saga is past its pivot, the orchestrator drops the request and the saga goes on"
+			// A saga past its pivot was refused above when its history records the pivot
+			// (every saga started since); for an older one the CLI, which has no definitions,
+			// cannot tell: say what happens then.
+			if d, err := admin.Get(ctx, pool, id); err == nil {
+				if _, known := admin.PastPivot(d); !known {
+					caveat = "; if the saga is past its pivot, the orchestrator drops the request and the saga goes on"
+				}
+			}
 		}
 		_, err = fmt.Fprintf(c.stdout, "%s requested for saga %s; a running orchestrator carries it out%s (watch it with: onceflow saga show %s)\n", action, id, caveat, id)
 		return err
