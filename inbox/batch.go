@@ -171,6 +171,9 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 			ib.rollback(ctx, tx, nil)
 		}
 	}()
+	if err := TakeTurnTx(ctx, tx, consumer); err != nil {
+		return err
+	}
 	claimed, err := ib.ClaimTx(ctx, tx, keys...)
 	if err != nil {
 		return err

@@ -28,6 +28,29 @@ func Blame(err error, conn *pgx.Conn, index int) error {
 	return &MessageError{Index: index, Err: err}
 }
 
+type turnsKey struct{}
+
+// TakeTurns returns a context in which the consumers' engines (the inbox's, the saga
+// orchestrator's and participants') take turns: each transaction first takes a
+// transaction-level advisory lock on its consumer's name (TakeTurnTx), so the transactions of
+// one consumer — across partitions and across processes — run one at a time. The batched
+// consumer uses it for a while after two of its transactions conflicted over hot rows: one
+// batch of hot rows at a time is cheap, while two racing ones deadlock, which PostgreSQL
+// detects only after deadlock_timeout (1 s).
+func TakeTurns(ctx context.Context) context.Context { return context.WithValue(ctx, turnsKey{}, true) }
+
+// TakeTurnTx waits, in tx, for the turn of consumer when ctx asks for it (TakeTurns), and does
+// nothing otherwise. The lock is released when tx ends.
+func TakeTurnTx(ctx context.Context, tx pgx.Tx, consumer string) error {
+	if on, _ := ctx.Value(turnsKey{}).(bool); !on {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(hashtextextended($1, 0))`, "onceflow turns: "+consumer); err != nil {
+		return fmt.Errorf("inbox: consumer %q: wait for its turn: %w", consumer, err)
+	}
+	return nil
+}
+
 // RetryPolicy is how a failing message is tried again before it is given up; the batched
 // consumer (inboxkafka.BatchConfig) and the saga's per-message handlers (Orchestrator.Handler,
 // saga.Action and Compensation) apply the same one.

@@ -91,6 +91,9 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 		return fmt.Errorf("saga: begin transaction: %w", err)
 	}
 	defer rollback(tx)
+	if err := inbox.TakeTurnTx(ctx, tx, o.cfg.Consumer); err != nil {
+		return err
+	}
 	// One round trip: the replies' dedup claims, then the locks of their sagas, in one
 	// statement each. The sagas of duplicate replies are locked for nothing; the commit
 	// releases them.

@@ -35,7 +35,13 @@ import (
 func TestHotStockRowsOnBatchedConsumers(t *testing.T) {
 	t.Parallel()
 	const sagas, skus = 600, 5
-	def := checkoutDef(t, func(_ string, s *saga.StepDef[Checkout]) { s.Timeout(10 * time.Second) })
+	// docs/sagas.md's checkout: reserve waits 30 s for its reply, the others 10 s.
+	def := checkoutDef(t, func(name string, s *saga.StepDef[Checkout]) {
+		s.Timeout(10 * time.Second)
+		if name == "reserve" {
+			s.Timeout(30 * time.Second)
+		}
+	})
 	w := newWorldMode(t, true, def, "!reserve", "!charge", "!confirm") // wired below, through Kafka
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

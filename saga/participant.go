@@ -258,7 +258,10 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 		return 0, nil, fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
 	}
 	defer rollback(tx)
-	// One round trip: the commands' dedup claims, then the barrier's (see barrier).
+	if err := inbox.TakeTurnTx(ctx, tx, p.cfg.Consumer); err != nil {
+		return 0, nil, err
+	}
+	// One round trip: the commands' dedup claims, then the barrier's (see claim).
 	fresh, verdicts, results, release, err := p.claim(ctx, tx, cmds)
 	if err != nil || len(fresh) == 0 {
 		return 0, nil, err // all duplicates: nothing to commit

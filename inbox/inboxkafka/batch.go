@@ -514,17 +514,21 @@ type slotted struct{ c *BatchConsumer }
 
 // After a conflict between concurrent transactions (a deadlock, a serialization failure, a
 // lock timeout: hot rows that the partitions' messages share), the consumer's transactions
-// run one at a time for hotFor: a batch of hot rows is cheap, a deadlock between two costs
-// PostgreSQL's deadlock_timeout (1 s) and a retry, so taking turns is faster than racing.
-// Each new conflict extends the period; without one, the partitions run in parallel again.
+// run one at a time for hotFor, also with those of its other processes (inbox.TakeTurns): a
+// batch of hot rows is cheap, a deadlock between two costs PostgreSQL's deadlock_timeout (1 s)
+// and a retry, so taking turns is faster than racing. Each new conflict extends the period;
+// without one, the partitions run in parallel again.
 func (s slotted) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
 	if !s.c.acquire(ctx) {
 		return ctx.Err()
 	}
 	defer s.c.release()
 	if time.Now().UnixNano() < s.c.hotUntil.Load() {
+		// Within this process a mutex; across processes of the group (and other consumers of
+		// the same name) the engines' advisory lock (inbox.TakeTurns).
 		s.c.hot.Lock()
 		defer s.c.hot.Unlock()
+		ctx = inbox.TakeTurns(ctx)
 	}
 	err := s.c.cfg.Processor.ProcessBatch(ctx, msgs)
 	if failure.Contention(err) {
