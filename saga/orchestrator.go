@@ -89,7 +89,8 @@ type Orchestrator struct {
 	// maxLocal is the most savepoints one transition of a registered definition can take: its
 	// local actions and local compensations, and an OnReplyTx handler (saga/local.go).
 	maxLocal int
-	tr       *tracing.Tracer // trace.go
+	tr       *tracing.Tracer   // trace.go
+	retry    inbox.RetryPolicy // Handler's, built once
 }
 
 // maxSavepoints bounds the savepoints of one transaction: beyond 64 subtransactions
@@ -176,7 +177,8 @@ func NewOrchestrator(cfg OrchestratorConfig) (*Orchestrator, error) {
 		return nil, err
 	}
 	return &Orchestrator{cfg: cfg, ib: ib, st: newStore(cfg.Schema), defs: map[defKey]definition{},
-		tr: tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
+		retry: inbox.RetryPolicy{MaxAttempts: cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff, Logger: cfg.Logger},
+		tr:    tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
 }
 
 // Register adds a definition to the orchestrator. Register every version that may still have
@@ -260,13 +262,7 @@ func (o *Orchestrator) Handler(msg *message.Message) error {
 	if _, _, ok := o.readReply(msg); !ok {
 		return nil
 	}
-	return o.policy().ApplyOne(msg.Context(), o, msg, "", nil)
-}
-
-// policy is the orchestrator's retry policy for Handler.
-func (o *Orchestrator) policy() inbox.RetryPolicy {
-	return inbox.RetryPolicy{MaxAttempts: o.cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff,
-		Logger: o.cfg.Logger}
+	return o.retry.ApplyOne(msg.Context(), o, msg, "", nil)
 }
 
 // advance computes the transition of one event on a locked saga and runs what it asks to run

@@ -100,6 +100,8 @@ type Participant struct {
 	keepResultSQL, resultSQL string
 	// releaseSQL deletes barrier keys claimed for commands that turned out to be duplicates.
 	releaseSQL string
+	// retry is the policy of the per-message handlers (Action, Compensation), built once.
+	retry inbox.RetryPolicy
 }
 
 // NewParticipant validates cfg, reporting every problem at once (*ConfigError).
@@ -144,6 +146,8 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 		keepResultSQL: `UPDATE ` + pe + ` SET result = $3 WHERE consumer = $1 AND dedup_key = $2`,
 		resultSQL:     `SELECT dedup_key, result FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
 		releaseSQL:    `DELETE FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
+		retry: inbox.RetryPolicy{MaxAttempts: cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff,
+			Logger: cfg.Logger.With("consumer", cfg.Consumer)},
 	}, nil
 }
 
@@ -238,13 +242,7 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run s
 		return err
 	}
 	sp := &stepProcessor{p: p, phase: phase, run: run}
-	return p.policy().ApplyOne(msg.Context(), sp, msg, "", nil)
-}
-
-// policy is the participant's retry policy for its per-message handlers.
-func (p *Participant) policy() inbox.RetryPolicy {
-	return inbox.RetryPolicy{MaxAttempts: p.cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff,
-		Logger: p.cfg.Logger.With("consumer", p.cfg.Consumer)}
+	return p.retry.ApplyOne(msg.Context(), sp, msg, "", nil)
 }
 
 // runBatch runs cmds in one transaction: their dedup keys claimed in one statement, the

@@ -19,6 +19,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -205,18 +206,18 @@ func boolInt(v bool) int {
 
 // processBatch hands a batch to p as inboxkafka.BatchConsumer does: a failure of the batch as a
 // whole (a deadlock, a lock timeout, a lost connection: not a *inbox.MessageError) counts no
-// attempt and is retried — here up to 20 times, 10 ms apart, then returned.
+// attempt and is retried with the consumers' policy (inbox.RetryPolicy.Refused) — here at most
+// 20 times, then returned.
 func processBatch(ctx context.Context, p inbox.BatchProcessor, batch []*message.Message) error {
-	for failures := 1; ; failures++ {
+	policy := inbox.RetryPolicy{Backoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}
+	for failures := 0; ; failures++ {
 		err := p.ProcessBatch(ctx, batch)
 		var me *inbox.MessageError
-		if err == nil || errors.As(err, &me) || failures >= 20 || errors.Is(err, migrations.ErrNotMigrated) {
+		if err == nil || errors.As(err, &me) || failures >= 19 || errors.Is(err, migrations.ErrNotMigrated) {
 			return err
 		}
-		select {
-		case <-ctx.Done():
+		if !policy.Refused(ctx, failures, len(batch), "sagatest", err) {
 			return ctx.Err()
-		case <-time.After(10 * time.Millisecond):
 		}
 	}
 }
