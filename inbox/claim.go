@@ -112,6 +112,17 @@ func (ib *Inbox) QueueSeenMany(b *pgx.Batch, keys []string, seen *[]bool) error 
 			return fmt.Errorf("inbox: consumer %q: key %d: %w", ib.cfg.Consumer, i, err)
 		}
 	}
+	if len(keys) == 1 { // a batch of one: the plain statement is the cheapest
+		b.Queue(ib.seenSQL, ib.cfg.Consumer, keys[0]).QueryRow(func(row pgx.Row) error {
+			var found bool
+			if err := row.Scan(&found); err != nil {
+				return ib.dbError(fmt.Sprintf("look up dedup key %q", keys[0]), err)
+			}
+			*seen = []bool{found}
+			return nil
+		})
+		return nil
+	}
 	b.Queue(ib.seenManySQL, ib.cfg.Consumer, keys).Query(func(rows pgx.Rows) error {
 		found, err := pgx.CollectRows(rows, pgx.RowTo[string])
 		if err != nil {

@@ -188,7 +188,11 @@ func New(cfg Config) (*Inbox, error) {
 		claimOneSQL:  `INSERT INTO ` + table + ` (consumer, dedup_key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
 		claimManySQL: `INSERT INTO ` + table + ` (consumer, dedup_key) SELECT $1, k FROM unnest($2::text[]) AS u(k) ON CONFLICT DO NOTHING RETURNING dedup_key`,
 		seenSQL:      `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND dedup_key = $2)`,
-		seenManySQL:  `SELECT dedup_key FROM ` + table + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
+		// One index probe per key, whatever the table's statistics: `dedup_key = ANY($2)` lets
+		// a generic plan made while the table was small (pgx prepares each statement once per
+		// connection) scan every row of the consumer for each lookup, until the next ANALYZE.
+		seenManySQL: `SELECT u.k FROM unnest($2::text[]) AS u(k) CROSS JOIN LATERAL (SELECT 1 FROM ` + table +
+			` WHERE consumer = $1 AND dedup_key = u.k LIMIT 1) AS hit`,
 		poisonSQL: `INSERT INTO ` + pgsql.Table(cfg.Schema, "inbox_poison") +
 			` (consumer, dedup_key, message_uuid, source, metadata, payload, attempts, error) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
 		errManaged: fmt.Errorf("%w (inbox consumer %q: it commits after writing the handler's returned messages; to abort, return an error from the handler)",

@@ -127,6 +127,42 @@ func TestBarrierActionThenCompensation(t *testing.T) {
 	})
 }
 
+// An action's first attempt delivered again after its dedup row was removed (an operator
+// re-driving it; its barrier row stays): not run again, answered with the result it kept.
+func TestBarrierRedriveAnsweredWithKeptResult(t *testing.T) {
+	t.Parallel()
+	forModes(t, func(t *testing.T, batched bool) {
+		w := newBarrierWorld(t, 0, batched)
+		if err := w.action(command("s1", outbox.SagaPhaseAction, 1)); err != nil {
+			t.Fatal(err)
+		}
+		key, err := inbox.SagaKey(outbox.SagaRef{ID: "s1", Step: "reserve", Phase: outbox.SagaPhaseAction, Attempt: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n := w.count(`DELETE FROM `+w.db.Table("processed_event")+` WHERE dedup_key = $1 RETURNING 1`, key); n != 1 {
+			t.Fatalf("removed %d dedup rows, want 1", n)
+		}
+		if err := w.action(command("s1", outbox.SagaPhaseAction, 1)); err != nil {
+			t.Fatal(err)
+		}
+		if w.calls["reserve/action"] != 1 {
+			t.Fatalf("handler calls %v, want the action once", w.calls)
+		}
+		rows, err := w.db.Pool.Query(context.Background(), `SELECT convert_from(payload, 'UTF8') FROM `+w.db.Table("outbox")+` WHERE topic = 'checkout.replies' ORDER BY id`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		payloads, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(payloads) != 2 || payloads[0] != payloads[1] || payloads[0] == "{}" {
+			t.Fatalf("reply payloads %q, want the first reply's result twice", payloads)
+		}
+	})
+}
+
 // Action and compensation at the same time, many times: either the action ran and was
 // compensated, or neither ran — never an action left standing, never a compensation of
 // nothing, never a double effect.

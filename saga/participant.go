@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -98,7 +99,7 @@ type Participant struct {
 	tr  *tracing.Tracer // trace.go
 	// keepResultSQL stores actions' results with their barrier rows; resultSQL reads them.
 	keepResultSQL, resultSQL string
-	// releaseSQL deletes barrier keys claimed for commands that turned out to be duplicates.
+	// releaseSQL deletes a barrier key claimed for commands that turned out to be duplicates.
 	releaseSQL string
 	// retry is the policy of the per-message handlers (Action, Compensation), built once.
 	retry inbox.RetryPolicy
@@ -144,8 +145,13 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 		// One statement per action, pipelined: an UPDATE … FROM unnest(…) is planned for 100
 		// rows and may scan the whole table instead of using the primary key.
 		keepResultSQL: `UPDATE ` + pe + ` SET result = $3 WHERE consumer = $1 AND dedup_key = $2`,
-		resultSQL:     `SELECT dedup_key, result FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
-		releaseSQL:    `DELETE FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = ANY($2::text[])`,
+		// One index probe per key (not `dedup_key = ANY($2)`, whose generic plan, made while the
+		// table was small, can read every row of the consumer until the next ANALYZE).
+		resultSQL: `SELECT u.k, r.result FROM unnest($2::text[]) AS u(k) CROSS JOIN LATERAL (SELECT result FROM ` + pe +
+			` WHERE consumer = $1 AND dedup_key = u.k LIMIT 1) AS r`,
+		// One statement per key, pipelined, like keepResultSQL (a DELETE by `ANY($2)` or a join
+		// with unnest(…) gets plans that read every row of the consumer).
+		releaseSQL: `DELETE FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = $2`,
 		retry: inbox.RetryPolicy{MaxAttempts: cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff,
 			Logger: cfg.Logger.With("consumer", cfg.Consumer)},
 	}, nil
@@ -322,8 +328,8 @@ func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds
 	// One round trip: the barrier keys claimed for duplicates given back, the actions'
 	// results kept with their barrier rows, and every reply.
 	b := &pgx.Batch{}
-	if len(release) > 0 {
-		b.Queue(p.releaseSQL, p.cfg.Consumer, release)
+	for _, k := range release {
+		b.Queue(p.releaseSQL, p.cfg.Consumer, k)
 	}
 	for i, k := range kept {
 		b.Queue(p.keepResultSQL, p.cfg.Consumer, k, keptResults[i])
@@ -369,6 +375,11 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 		if !inClaim[actionKey] {
 			inClaim[actionKey] = true
 			claim = append(claim, actionKey)
+		}
+		if (c.ref.Phase == outbox.SagaPhaseCompensation || c.ref.Attempt > 1) && !slices.Contains(actionKeys, actionKey) {
+			// A compensation reads what its action kept, a later attempt what an earlier one
+			// kept. A first attempt finds its action key taken only by a compensation (it is
+			// then skipped) or after its own dedup row was removed (read below).
 			actionKeys = append(actionKeys, actionKey)
 		}
 		if c.ref.Phase == outbox.SagaPhaseCompensation && !inClaim[compKey] {
@@ -396,17 +407,9 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 				return nil, nil, nil, nil, err
 			}
 		}
-		b.Queue(p.resultSQL, p.cfg.Consumer, actionKeys).Query(func(rows pgx.Rows) error {
-			for rows.Next() {
-				var k string
-				var r []byte
-				if err := rows.Scan(&k, &r); err != nil {
-					return err
-				}
-				results[k] = r
-			}
-			return rows.Err()
-		})
+		if len(actionKeys) > 0 {
+			p.queueResults(b, actionKeys, results)
+		}
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, nil, nil, nil, fmt.Errorf("saga participant %q: claim %d commands and their barrier: %w", p.cfg.Consumer, len(cmds), schemaError(p.cfg.Schema, err))
@@ -419,6 +422,7 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 		taken[k] = taken[k] || seen[i]
 	}
 	used := map[string]bool{} // barrier keys of new commands
+	var unread []string       // action keys taken before whose results were not read
 	for i, c := range cmds {
 		if !claimed[i] {
 			p.skip(c.ref, BarrierDuplicate, "the same command again")
@@ -426,8 +430,19 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 		}
 		fresh = append(fresh, c)
 		if c.outcome == nil {
-			used[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)] = true
+			actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
+			used[actionKey] = true
 			used[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)] = true
+			if taken[actionKey] && !slices.Contains(actionKeys, actionKey) && !slices.Contains(unread, actionKey) {
+				unread = append(unread, actionKey)
+			}
+		}
+	}
+	if len(unread) > 0 {
+		b := &pgx.Batch{}
+		p.queueResults(b, unread, results)
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return nil, nil, nil, nil, fmt.Errorf("saga participant %q: read %d actions' results: %w", p.cfg.Consumer, len(unread), schemaError(p.cfg.Schema, err))
 		}
 	}
 	for i, k := range claim {
@@ -445,6 +460,21 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 		in[i] = barrierCmd{Saga: c.ref.ID, Step: c.ref.Step, Phase: c.ref.Phase, Decided: c.outcome != nil}
 	}
 	return fresh, decideBarrier(in, before), results, release, nil
+}
+
+// queueResults queues the read of what the actions of keys kept into results.
+func (p *Participant) queueResults(b *pgx.Batch, keys []string, results map[string][]byte) {
+	b.Queue(p.resultSQL, p.cfg.Consumer, keys).Query(func(rows pgx.Rows) error {
+		for rows.Next() {
+			var k string
+			var r []byte
+			if err := rows.Scan(&k, &r); err != nil {
+				return err
+			}
+			results[k] = r
+		}
+		return rows.Err()
+	})
 }
 
 // commitBlamed commits a participant's batch: a failure at COMMIT is the batch's when
