@@ -38,7 +38,7 @@ func TestPages(t *testing.T) {
 		{"/ops/sagas?state=stuck", []string{s.stuck, "stock service unavailable"}},
 		{"/ops/sagas?state=running&name=checkout&version=1&step=charge&older=30m&id=order-", []string{s.running}},
 		{"/ops/sagas?error=CARD+DECLINED", []string{s.compensating, s.compensated}},
-		{"/ops/sagas/" + s.stuck, []string{`id="state">stuck`, "stock service unavailable", s.stuckEvent, "compensation command, attempt 3",
+		{"/ops/sagas/" + s.stuck, []string{`id="state">stuck`, "stock service unavailable", s.stuckEvent, "compensation command, attempt 3", "action reply, attempt 1: done", s.stuckReply, "compensation reply, attempt 3: retry",
 			"4bf92f3577b34da6a3ce929d0e0e4736", `id="wait">operator`, "read-only", "inventory", "the action ran and took effect"}},
 		{"/ops/sagas/" + s.running, []string{"timeout", "<td>in ", `id="wait">`, "No participant has recorded a barrier row"}},
 		{"/ops/sagas/" + s.compensating, []string{`id="barriers"`, "payments", "a null compensation", "the compensation was decided"}},

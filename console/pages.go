@@ -208,8 +208,8 @@ func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
 	c.render(w, r, http.StatusOK, "saga", v)
 }
 
-// timeline orders what the saga's history records: steps started and finished, and every
-// command sent, with its event id.
+// timeline orders what the saga's history records: steps started and finished, every command
+// sent and every reply applied, with their event ids.
 func timeline(d *saga.Detail) []timelineEvent {
 	var out []timelineEvent
 	for _, s := range d.Steps {
@@ -223,6 +223,10 @@ func timeline(d *saga.Detail) []timelineEvent {
 		for _, cmd := range s.Sent {
 			out = append(out, timelineEvent{At: cmd.At, Step: s.Name, What: string(cmd.Phase) + " command, attempt " + strconv.Itoa(cmd.Attempt),
 				EventID: cmd.EventID, Topic: cmd.Topic})
+		}
+		for _, r := range s.Replies {
+			out = append(out, timelineEvent{At: r.At, Step: s.Name, What: string(r.Phase) + " reply, attempt " + strconv.Itoa(r.Attempt) + ": " + r.Outcome,
+				Error: r.Reason, EventID: r.EventID})
 		}
 		if s.FinishedAt != nil {
 			out = append(out, timelineEvent{At: *s.FinishedAt, Step: s.Name, What: "finished: " + s.Status, Error: s.LastError})

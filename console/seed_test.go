@@ -32,6 +32,7 @@ type seeded struct {
 	stuck, running, compensating, completed, compensated string
 	evil                                                 string // a saga whose id and error are markup
 	stuckEvent                                           string // the event id of the stuck saga's last command
+	stuckReply                                           string // the event id of its action's reply
 	parkedEvent, pendingEvent                            string
 	parkedID                                             int64
 	poisonID                                             int64
@@ -46,7 +47,7 @@ func seed(t testing.TB, db *testdb.DB) seeded {
 	t.Helper()
 	ctx := context.Background()
 	s := seeded{stuck: "order-stuck", running: "order-running", compensating: "order-comp", completed: "order-done",
-		compensated: "order-undone", evil: "evil-" + evilText, stuckEvent: uuid.Must(uuid.NewV7()).String()}
+		compensated: "order-undone", evil: "evil-" + evilText, stuckEvent: uuid.Must(uuid.NewV7()).String(), stuckReply: uuid.Must(uuid.NewV7()).String()}
 	at := time.Now().Add(-time.Hour).UTC().Truncate(time.Second)
 	step := func(name, status string, sent ...saga.SentCommand) saga.StepHistory {
 		started, finished := at, at.Add(time.Minute)
@@ -56,6 +57,7 @@ func seed(t testing.TB, db *testdb.DB) seeded {
 		}
 		return h
 	}
+	replied := func(h saga.StepHistory, r ...saga.ReceivedReply) saga.StepHistory { h.Replies = r; return h }
 	cmd := func(topic string, phase outbox.SagaPhase, attempt int, id string) saga.SentCommand {
 		if id == "" {
 			id = uuid.Must(uuid.NewV7()).String()
@@ -70,7 +72,10 @@ func seed(t testing.TB, db *testdb.DB) seeded {
 		{s.running, "running", "", 1, []saga.StepHistory{step("reserve", "done", cmd("reserve", outbox.SagaPhaseAction, 1, "")), step("charge", "running", cmd("charge", outbox.SagaPhaseAction, 1, ""))}},
 		{s.compensating, "compensating", "step \"charge\": failed: card declined", 0, []saga.StepHistory{step("reserve", "compensating", cmd("release", outbox.SagaPhaseCompensation, 1, "")), step("charge", "failed")}},
 		{s.stuck, "stuck", "compensation of step \"reserve\" failed after 3 attempts: stock service unavailable", 0,
-			[]saga.StepHistory{step("reserve", "compensating", cmd("reserve", outbox.SagaPhaseAction, 1, ""), cmd("release", outbox.SagaPhaseCompensation, 3, s.stuckEvent)), step("charge", "failed")}},
+			[]saga.StepHistory{replied(step("reserve", "compensating", cmd("reserve", outbox.SagaPhaseAction, 1, ""), cmd("release", outbox.SagaPhaseCompensation, 3, s.stuckEvent)),
+				saga.ReceivedReply{Phase: outbox.SagaPhaseAction, Attempt: 1, Outcome: outbox.SagaOutcomeDone, EventID: s.stuckReply, At: at.Add(2 * time.Second)},
+				saga.ReceivedReply{Phase: outbox.SagaPhaseCompensation, Attempt: 3, Outcome: outbox.SagaOutcomeRetry, Reason: "stock service unavailable", EventID: uuid.Must(uuid.NewV7()).String(), At: at.Add(4 * time.Second)}),
+				step("charge", "failed")}},
 		{s.completed, "completed", "", 1, []saga.StepHistory{step("reserve", "done"), step("charge", "done")}},
 		{s.compensated, "compensated", "step \"charge\": failed: card declined", 0, []saga.StepHistory{step("reserve", "compensated"), step("charge", "failed")}},
 		{s.evil, "stuck", evilText, 0, []saga.StepHistory{step(evilText, "compensating")}},

@@ -232,7 +232,7 @@ func (o *Orchestrator) readReply(msg *message.Message) (outbox.SagaRef, string, 
 }
 
 func replyOf(msg *message.Message, ref outbox.SagaRef) event {
-	return event{reply: &replyEvent{Step: ref.Step, Phase: ref.Phase, Attempt: ref.Attempt,
+	return event{reply: &replyEvent{EventID: msg.UUID, Step: ref.Step, Phase: ref.Phase, Attempt: ref.Attempt,
 		Outcome: msg.Metadata.Get(outbox.MetadataSagaOutcome), Reason: msg.Metadata.Get(outbox.MetadataSagaReason), Payload: msg.Payload}}
 }
 

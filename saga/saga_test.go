@@ -95,6 +95,9 @@ func TestDuplicatesChangeNothing(t *testing.T) {
 			if once.State != twice.State || statuses(once) != statuses(twice) || string(once.Data) != string(twice.Data) {
 				t.Fatalf("with duplicates: %s %s %s; without: %s %s %s", twice.State, statuses(twice), twice.Data, once.State, statuses(once), once.Data)
 			}
+			if replied(once) != replied(twice) {
+				t.Fatalf("replies applied with duplicates %q, without %q", replied(twice), replied(once))
+			}
 			if !slices.Equal(onceFx, twiceFx) {
 				t.Fatalf("effects with duplicates %v, without %v", twiceFx, onceFx)
 			}
@@ -175,6 +178,9 @@ func TestRetryBeforeCompensate(t *testing.T) {
 		}
 		if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "charge/action", "confirm/action"}) {
 			t.Fatalf("effects %v: the transient failures' writes were kept", got)
+		}
+		if got := replied(d); got != "reserve:action/1:done charge:action/1:retry charge:action/2:retry charge:action/3:done confirm:action/1:done" {
+			t.Fatalf("replies applied %q", got)
 		}
 	})
 }
@@ -463,4 +469,19 @@ func TestCompensationLearnsWhatALateActionDid(t *testing.T) {
 			t.Fatalf("effects %v", got)
 		}
 	})
+}
+
+// replied lists the replies a saga's history records, as "step:phase/attempt:outcome"; each
+// must carry its event id.
+func replied(d *saga.Detail) string {
+	var out []string
+	for _, s := range d.Steps {
+		for _, r := range s.Replies {
+			if r.EventID == "" || r.At.IsZero() {
+				return fmt.Sprintf("reply %+v without its event id or time", r)
+			}
+			out = append(out, fmt.Sprintf("%s:%s/%d:%s", s.Name, r.Phase, r.Attempt, r.Outcome))
+		}
+	}
+	return strings.Join(out, " ")
 }

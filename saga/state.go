@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -95,9 +96,12 @@ type StepHistory struct {
 	// LastError is the last failure reported for the step.
 	LastError string `json:"last_error,omitempty"`
 	// Sent lists the commands written to the outbox, in order.
-	Sent       []SentCommand `json:"sent,omitempty"`
-	StartedAt  *time.Time    `json:"started_at,omitempty"`
-	FinishedAt *time.Time    `json:"finished_at,omitempty"`
+	Sent []SentCommand `json:"sent,omitempty"`
+	// Replies lists the participants' replies the saga applied, in order (a duplicate or a
+	// stale reply changes nothing and is not listed).
+	Replies    []ReceivedReply `json:"replies,omitempty"`
+	StartedAt  *time.Time      `json:"started_at,omitempty"`
+	FinishedAt *time.Time      `json:"finished_at,omitempty"`
 }
 
 // SentCommand records a command the saga wrote to the outbox.
@@ -109,6 +113,23 @@ type SentCommand struct {
 	EventID string           `json:"event_id"`
 	At      time.Time        `json:"at"`
 }
+
+// ReceivedReply records a participant's reply the saga applied.
+type ReceivedReply struct {
+	// Phase and Attempt: which command it answered; Outcome: done, failed or retry (see
+	// outbox.SagaOutcomeDone), with the participant's Reason for a failure (at most
+	// maxReplyReason bytes); EventID: the reply's own event id.
+	Phase   outbox.SagaPhase `json:"phase"`
+	Attempt int              `json:"attempt"`
+	Outcome string           `json:"outcome"`
+	Reason  string           `json:"reason,omitempty"`
+	EventID string           `json:"event_id"`
+	At      time.Time        `json:"at"`
+}
+
+// maxReplyReason bounds what the history keeps of a failure's reason per reply: the step's
+// LastError has the latest in full, and a saga row must not grow by a stack trace per attempt.
+const maxReplyReason = 500
 
 // afterAttempts counts the attempts of the current phase the way the command metadata and
 // `onceflow saga show` do (every command sent), and the ones since an operator's retry.
@@ -188,6 +209,7 @@ type localOutcome struct {
 }
 
 type replyEvent struct {
+	EventID string // the reply message's id
 	Step    string
 	Phase   outbox.SagaPhase
 	Attempt int
@@ -313,6 +335,12 @@ func (m *machine) onReply(r replyEvent) error {
 	case in.Waiting == waitResend && r.Outcome != outbox.SagaOutcomeDone:
 		return m.stale("failure reply while a re-send is already scheduled")
 	}
+	reason := r.Reason
+	if len(reason) > maxReplyReason {
+		reason = strings.ToValidUTF8(reason[:maxReplyReason], "") + "…"
+	}
+	rec := &in.Steps[idx]
+	rec.Replies = append(rec.Replies, ReceivedReply{Phase: r.Phase, Attempt: r.Attempt, Outcome: r.Outcome, Reason: reason, EventID: r.EventID, At: m.now})
 	return m.outcome(idx, r.Phase, r.Outcome, r.Reason, r.Payload, r.Attempt)
 }
 

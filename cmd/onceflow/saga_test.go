@@ -86,6 +86,12 @@ func TestSagaCommands(t *testing.T) {
 			t.Errorf("saga show does not mention %q:\n%s", want, r.stdout)
 		}
 	}
+	// The replies applied, in order, with the participants' reasons.
+	replies := r.stdout[max(0, strings.Index(r.stdout, "REPLIES APPLIED")):]
+	if a, b, c := strings.Index(replies, "reserve  action        1        done"), strings.Index(replies, "charge   action        1        failed   "),
+		strings.Index(replies, "reserve  compensation  1        retry"); a < 0 || b < a || c < b || !strings.Contains(replies, "card declined") {
+		t.Errorf("saga show does not list the replies applied in order:\n%s", r.stdout)
+	}
 	// The commands in the order they were written: reserve, charge, then reserve's compensation.
 	if a, b := strings.Index(r.stdout, "charge   action"), strings.Index(r.stdout, "reserve  compensation"); a < 0 || b < 0 || a > b {
 		t.Errorf("saga show does not list the commands in time order (charge's action, then reserve's compensation):\n%s", r.stdout)

@@ -199,6 +199,23 @@ func (c *cli) sagaShow(ctx context.Context, args []string) error {
 	for _, c := range cmds {
 		p.f("%s\t%s\t%s\t%d\t%s\t%s\n", fmtTime(c.cmd.At), c.step, c.cmd.Phase, c.cmd.Attempt, c.cmd.Topic, c.cmd.EventID)
 	}
+	type received struct {
+		step  string
+		reply saga.ReceivedReply
+	}
+	var replies []received
+	for _, s := range d.Steps {
+		for _, r := range s.Replies {
+			replies = append(replies, received{s.Name, r})
+		}
+	}
+	if len(replies) > 0 {
+		sort.SliceStable(replies, func(i, j int) bool { return replies[i].reply.At.Before(replies[j].reply.At) })
+		p.f("\nREPLIES APPLIED (oldest first)\nAT\tSTEP\tPHASE\tATTEMPT\tOUTCOME\tEVENT ID\tREASON\n")
+		for _, r := range replies {
+			p.f("%s\t%s\t%s\t%d\t%s\t%s\t%s\n", fmtTime(r.reply.At), r.step, r.reply.Phase, r.reply.Attempt, r.reply.Outcome, r.reply.EventID, oneLine(r.reply.Reason))
+		}
+	}
 	if len(d.Timers) > 0 {
 		p.f("\nTIMER\tACTION\tSTEP\tDUE\n")
 		for _, t := range d.Timers {
