@@ -336,11 +336,11 @@ func newReplaySQL(schema string) replaySQL {
 
 // replayRow is a poison row whose replay was requested.
 type replayRow struct {
-	id                                      int64
+	id                                       int64
 	key, uuid, source, handler, publishTopic string
-	metadata                                map[string]string
-	payload                                 []byte
-	started                                 bool // set by startReplayTx in the current attempt
+	metadata                                 map[string]string
+	payload                                  []byte
+	started                                  bool // set by startReplayTx in the current attempt
 }
 
 // startReplayTx begins the replay of rp in tx: the row is marked replayed (which locks it) and

@@ -66,20 +66,20 @@ func (c *cli) inboxUsage(w io.Writer) {
 
 // poisonRow is one row of inbox_poison; --json prints a list of them.
 type poisonRow struct {
-	ID          int64             `json:"id"`
-	Consumer    string            `json:"consumer"`
-	DedupKey    *string           `json:"dedup_key"` // null: the message had no usable key
-	MessageUUID string            `json:"message_uuid"`
-	Source      string            `json:"source"`
-	Attempts    int               `json:"attempts"`
-	FailedAt    time.Time         `json:"failed_at"`
-	Error       string            `json:"error"`
+	ID          int64     `json:"id"`
+	Consumer    string    `json:"consumer"`
+	DedupKey    *string   `json:"dedup_key"` // null: the message had no usable key
+	MessageUUID string    `json:"message_uuid"`
+	Source      string    `json:"source"`
+	Attempts    int       `json:"attempts"`
+	FailedAt    time.Time `json:"failed_at"`
+	Error       string    `json:"error"`
 	// State is poison, replay_requested or replayed; Replays counts the replays applied.
 	State   string `json:"state"`
 	Replays int    `json:"replays"`
 	// History lists the row's replay events (requested, replayed, failed), oldest first.
-	History []map[string]any `json:"history"`
-	Metadata    map[string]string `json:"metadata"`
+	History  []map[string]any  `json:"history"`
+	Metadata map[string]string `json:"metadata"`
 	// Payload is the message's payload as text when it is valid UTF-8; otherwise
 	// PayloadBase64 holds it.
 	Payload       *string `json:"payload,omitempty"`
