@@ -198,11 +198,11 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 	// on inbox_poison_consumer_idx (consumer, id) with a consumer, the primary key without.
 	rows, err := tx.Query(ctx, `SELECT id, consumer, state, dedup_key IS NULL, replay_refusal, replay_requested_at, coalesce(replay_requested_by, ''), replayed_at
 		FROM `+table+`
-		WHERE (cardinality($1::bigint[]) = 0 OR id = ANY($1::bigint[]))
+		WHERE (coalesce(cardinality($1::bigint[]), 0) = 0 OR id = ANY($1::bigint[]))
 		  AND ($2::text = '' OR consumer = $2::text)
 		  AND ($3::timestamptz IS NULL OR failed_at >= $3::timestamptz)
 		  AND ($4::text = '' OR strpos(lower(error), lower($4::text)) > 0)
-		  AND (cardinality($1::bigint[]) > 0 OR state = 'poison')
+		  AND (coalesce(cardinality($1::bigint[]), 0) > 0 OR state = 'poison')
 		ORDER BY id LIMIT $5`+lock, f.IDs, f.Consumer, since, f.ErrorContains, limit+1)
 	if err != nil {
 		return res, replayDBError(schema, "read the poison rows", err)
