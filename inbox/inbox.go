@@ -17,7 +17,8 @@
 // Use it as the innermost middleware, under Retry so each attempt gets a fresh transaction:
 //
 //	ib, err := inbox.New(inbox.Config{Pool: pool, Consumer: "billing"})
-//	router.AddMiddleware(poisonQueue, retry.Middleware, middleware.Recoverer, ib.Middleware)
+//	router.AddMiddleware(ib.Poison, retry.Middleware, middleware.Recoverer, ib.Middleware)
+//	router.AddPlugin(ib.RouterPlugin) // applies replays of given-up messages (ReplayTx)
 //	router.AddHandler("billing", "orders.placed", sub, "billing.invoiced", inbox.OutboxOnly{},
 //		func(msg *message.Message) ([]*message.Message, error) {
 //			tx := outbox.MustTx(msg.Context())
