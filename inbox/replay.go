@@ -208,14 +208,13 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 		return res, replayDBError(schema, "read the poison rows", err)
 	}
 	type cand struct {
-		id                  int64
-		consumer, state     string
-		noKey               bool
-		refusal             *string
-		requestedAt         *time.Time
-		requestedBy         string
-		replayedAt          *time.Time
-		reason, description string
+		id              int64
+		consumer, state string
+		noKey           bool
+		refusal         *string
+		requestedAt     *time.Time
+		requestedBy     string
+		replayedAt      *time.Time
 	}
 	var cands []cand
 	for rows.Next() {
@@ -272,9 +271,6 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 		var why []string
 		for _, r := range res.Refused {
 			why = append(why, fmt.Sprintf("row %d (consumer %q): %s", r.ID, r.Consumer, r.Reason))
-		}
-		if len(f.IDs) > 0 {
-			ok = nil // all or nothing
 		}
 		return res, fmt.Errorf("inbox: replay: %w: %s; nothing requested", ErrReplayRefused, strings.Join(why, "; "))
 	}
