@@ -46,8 +46,8 @@ func TestUpTwiceIsNoop(t *testing.T) {
 			t.Fatalf("step %d pending after Up", s.Version)
 		}
 	}
-	// Step 0011: the saga list's keyset indexes.
-	for _, table := range []string{"outbox", "processed_event", "idempotency_record", "saga_created_idx", "saga_state_created_idx"} {
+	// Step 0011: the saga list's keyset indexes; step 0013: the inbox's replay requests.
+	for _, table := range []string{"outbox", "processed_event", "idempotency_record", "saga_created_idx", "saga_state_created_idx", "inbox_poison_replay_idx"} {
 		var ok bool
 		if err := db.Pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", db.Schema+"."+table).Scan(&ok); err != nil || !ok {
 			t.Fatalf("table %s missing (err %v)", table, err)
