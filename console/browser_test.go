@@ -3,6 +3,7 @@ package console_test
 import (
 	"context"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -76,7 +77,27 @@ func TestBrowserRetryStuckSaga(t *testing.T) {
 		t.Fatalf("the replayed row is not in the outbox: %q, %v", topic, err)
 	}
 
-	// REPLAY (issue 25, item 1): replaying a poison message from its page belongs here.
+	// The poison message: from the inbox list to its page, the replay's confirmation, and the
+	// request in the database (a process of consumer projection applies it; none runs here).
 	b.navigate(ctx, srv.URL+"/ops/inbox")
 	b.screenshot(shots, "inbox.png")
+	id := strconv.FormatInt(s.poisonID, 10)
+	b.click(ctx, `a[href="/ops/inbox/`+id+`"]`, "/ops/inbox/"+id)
+	b.click(ctx, "#replay", "/ops/inbox/"+id+"/replay")
+	if txt := b.text(); !strings.Contains(txt, "Dry run: 1 match") || !strings.Contains(txt, "exactly once") {
+		t.Fatalf("replay confirmation:\n%s", txt)
+	}
+	b.click(ctx, "#confirm", "replayed=1")
+	if txt := b.text(); !strings.Contains(txt, "Replay requested") || !strings.Contains(txt, "replay_requested") {
+		t.Fatalf("after the replay:\n%s", txt)
+	}
+	b.screenshot(shots, "poison.png")
+	var state, by string
+	if err := db.Pool.QueryRow(ctx, `SELECT state, replay_requested_by FROM `+db.Table("inbox_poison")+` WHERE id = $1`, s.poisonID).Scan(&state, &by); err != nil ||
+		state != "replay_requested" || by != "console:alice" {
+		t.Fatalf("the replay request is not in the database: state %q by %q, %v", state, by, err)
+	}
+	if l := logs.String(); !strings.Contains(l, `action="inbox poison replay"`) || !strings.Contains(l, "poison_id="+id) {
+		t.Errorf("action log:\n%s", l)
+	}
 }

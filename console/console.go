@@ -157,9 +157,13 @@ func (c *Console) routes() {
 	m.HandleFunc("GET /inbox", c.inboxPage)
 	m.HandleFunc("GET /inbox/delete", c.poisonBulkConfirm)
 	m.HandleFunc("POST /inbox/delete", c.poisonBulkDelete)
+	m.HandleFunc("GET /inbox/replay", c.poisonBulkReplayConfirm)
+	m.HandleFunc("POST /inbox/replay", c.poisonBulkReplay)
 	m.HandleFunc("GET /inbox/{id}", c.poisonPage)
 	m.HandleFunc("GET /inbox/{id}/delete", c.poisonDeleteConfirm)
 	m.HandleFunc("POST /inbox/{id}/delete", c.poisonDelete)
+	m.HandleFunc("GET /inbox/{id}/replay", c.poisonReplayConfirm)
+	m.HandleFunc("POST /inbox/{id}/replay", c.poisonReplay)
 	m.HandleFunc("GET /idempotency", c.idempotencyPage)
 	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")

@@ -161,7 +161,8 @@ func TestReadOnlyRefusesActions(t *testing.T) {
 	// The token a read-only console still hands out (its cookie is set on every page).
 	tok := regexpCookie(t, b, srv)
 	for _, path := range []string{"/ops/sagas/" + s.stuck + "/retry", "/ops/sagas/" + s.running + "/compensate", "/ops/outbox/replay",
-		"/ops/inbox/" + strconv.FormatInt(s.poisonID, 10) + "/delete"} {
+		"/ops/inbox/" + strconv.FormatInt(s.poisonID, 10) + "/delete", "/ops/inbox/" + strconv.FormatInt(s.poisonID, 10) + "/replay",
+		"/ops/inbox/replay?consumer=projection"} {
 		b.post(path, url.Values{"csrf": {tok}, "all": {"1"}}).expect(t, "POST "+path, http.StatusForbidden, "read-only")
 	}
 	if after := snapshot(t, db); after != before {
@@ -464,4 +465,62 @@ func TestDeletePoisonByFilter(t *testing.T) {
 	if !strings.Contains(logs.String(), "deleted=2") {
 		t.Errorf("action log:\n%s", logs.String())
 	}
+}
+
+// Replay from the console: a poison row's page has the button, its confirmation the dry run,
+// the POST needs the CSRF token, files the request (state replay_requested, by the console's
+// user) and is logged; a second one is refused, and so is a saga reply's row, with the way
+// out; replay by filter shows the dry-run count first and needs a consumer.
+func TestReplayPoisonFromConsole(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	s := seed(t, db)
+	var refusedID int64
+	if err := db.Pool.QueryRow(ctx, `INSERT INTO `+db.Table("inbox_poison")+` (consumer, dedup_key, message_uuid, payload, attempts, error, replay_refusal)
+		VALUES ('orchestrator', 'saga:k', 'r-1', 'x', 5, 'boom', 'a saga reply: resume the saga with `+"`onceflow saga retry s-9`"+`') RETURNING id`).Scan(&refusedID); err != nil {
+		t.Fatal(err)
+	}
+	srv, logs := newServer(t, db, true)
+	b := newBrowser(t, srv)
+	id := strconv.FormatInt(s.poisonID, 10)
+	b.get("/ops/inbox/"+id).expect(t, "poison page", http.StatusOK, `id="replay" href="/ops/inbox/`+id+`/replay"`, `id="state">poison`)
+	conf := b.get("/ops/inbox/"+id+"/replay").expect(t, "replay confirmation", http.StatusOK, "Replay re-drives the message through its own consumer",
+		"Dry run: <b>1</b> match", `action="/ops/inbox/`+id+`/replay"`)
+	b.post("/ops/inbox/"+id+"/replay", url.Values{}).expect(t, "POST without the CSRF token", http.StatusForbidden, "CSRF token")
+	var state string
+	if err := db.Pool.QueryRow(ctx, `SELECT state FROM `+db.Table("inbox_poison")+` WHERE id = $1`, s.poisonID).Scan(&state); err != nil || state != "poison" {
+		t.Fatalf("state after a refused POST: %q %v", state, err)
+	}
+	p := b.post("/ops/inbox/"+id+"/replay", url.Values{"csrf": {conf.csrf(t)}})
+	if p.status != http.StatusSeeOther || !strings.Contains(p.header.Get("Location"), "replayed=1") {
+		t.Fatalf("POST replay: %d %s\n%s", p.status, p.header.Get("Location"), p.body)
+	}
+	b.get(p.header.Get("Location")).expect(t, "after the request", http.StatusOK, "Replay requested", `id="state">replay_requested`, "Replay history", "console:alice")
+	var by string
+	if err := db.Pool.QueryRow(ctx, `SELECT state, replay_requested_by FROM `+db.Table("inbox_poison")+` WHERE id = $1`, s.poisonID).Scan(&state, &by); err != nil ||
+		state != "replay_requested" || by != "console:alice" {
+		t.Fatalf("after the replay request: state %q by %q (%v)", state, by, err)
+	}
+	b.post("/ops/inbox/"+id+"/replay", url.Values{"csrf": {conf.csrf(t)}}).expect(t, "second replay", http.StatusBadRequest, "requested already")
+	if l := logs.String(); !strings.Contains(l, `user=alice action="inbox poison replay"`) || !strings.Contains(l, "poison_id="+id) {
+		t.Errorf("action log:\n%s", l)
+	}
+
+	rid := strconv.FormatInt(refusedID, 10)
+	page := b.get("/ops/inbox/"+rid).expect(t, "a saga reply's page", http.StatusOK, "Replay refused", "onceflow saga retry s-9")
+	if strings.Contains(page.body, `id="replay"`) {
+		t.Error("a refused row shows the replay button")
+	}
+	rc := b.get("/ops/inbox/"+rid+"/replay").expect(t, "a saga reply's confirmation", http.StatusOK, `id="refusal"`, "onceflow saga retry s-9")
+	if strings.Contains(rc.body, `id="confirm"`) {
+		t.Error("a refused row's confirmation has a button")
+	}
+	b.post("/ops/inbox/"+rid+"/replay", url.Values{"csrf": {conf.csrf(t)}}).expect(t, "POST replay of a saga reply", http.StatusBadRequest, "onceflow saga retry s-9")
+
+	b.get("/ops/inbox/replay").expect(t, "bulk replay without a consumer", http.StatusBadRequest, "choose the consumer")
+	b.get("/ops/inbox/replay?consumer=projection").expect(t, "bulk replay of requested rows", http.StatusOK, `id="refusal"`, "no poison row matches")
+	b.get("/ops/inbox/replay?consumer=orchestrator").expect(t, "bulk replay of saga rows", http.StatusOK, `id="refusal"`, "onceflow saga retry s-9")
+	b.get("/ops/inbox/0/replay").expect(t, "a bad id", http.StatusBadRequest, "not a poison row id")
+	b.get("/ops/inbox?consumer=orchestrator").expect(t, "inbox page", http.StatusOK, `id="replay-filter" href="/ops/inbox/replay?consumer=orchestrator"`)
 }

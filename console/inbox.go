@@ -3,6 +3,7 @@ package console
 import (
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
@@ -25,6 +27,10 @@ type poisonRow struct {
 	Error       string
 	Metadata    map[string]string
 	Payload     []byte
+	State       string // poison, replay_requested or replayed
+	Replays     int
+	Refusal     *string          // why no replay may apply it (a saga's message), nil when one may
+	History     []map[string]any // replay events, oldest first
 }
 
 type inboxData struct {
@@ -32,8 +38,13 @@ type inboxData struct {
 	Rows      []poisonRow
 	Next      string
 	Deleted   bool
+	Replayed  string // how many replays the last action requested
 	DeleteAll string // the bulk delete's confirmation for Consumer
+	ReplayAll string // the bulk replay's confirmation (dry run first) for Consumer
 }
+
+// poisonCols are the columns a poisonRow is scanned from, in its field order; payload is $P.
+const poisonCols = `id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, $P, state, replays, replay_refusal, history`
 
 // poisonPageSize is one page of the poison list, newest first, keyset-paginated on id.
 const poisonPageSize = 100
@@ -52,7 +63,7 @@ func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	// On inbox_poison_consumer_idx (consumer, id) with a consumer, the primary key without.
-	rows, err := c.cfg.DB.Query(r.Context(), `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, ''::bytea
+	rows, err := c.cfg.DB.Query(r.Context(), `SELECT `+strings.Replace(poisonCols, "$P", "''::bytea", 1)+`
 		FROM `+pgsql.Table(c.cfg.Schema, "inbox_poison")+` WHERE ($1 = '' OR consumer = $1) AND id < $2 ORDER BY id DESC LIMIT $3`,
 		consumer, before, poisonPageSize)
 	if err != nil {
@@ -64,7 +75,11 @@ func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	v := inboxData{Consumer: consumer, Rows: list, Deleted: r.URL.Query().Get("deleted") == "1", DeleteAll: c.link("/inbox/delete") + query("consumer", consumer)}
+	v := inboxData{Consumer: consumer, Rows: list, Deleted: r.URL.Query().Get("deleted") == "1", Replayed: r.URL.Query().Get("replayed"),
+		DeleteAll: c.link("/inbox/delete") + query("consumer", consumer), ReplayAll: c.link("/inbox/replay") + query("consumer", consumer)}
+	if _, err := strconv.Atoi(v.Replayed); err != nil {
+		v.Replayed = ""
+	}
 	if len(list) == poisonPageSize {
 		v.Next = c.link("/inbox") + query("consumer", consumer, "before", strconv.FormatInt(list[len(list)-1].ID, 10))
 	}
@@ -84,7 +99,7 @@ func poisonID(r *http.Request) (int64, error) {
 var errNoPoison = errors.New("no poison row with this id (deleted already?)")
 
 func (c *Console) loadPoison(r *http.Request, id int64) (*poisonRow, error) {
-	rows, err := c.cfg.DB.Query(r.Context(), `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, payload
+	rows, err := c.cfg.DB.Query(r.Context(), `SELECT `+strings.Replace(poisonCols, "$P", "payload", 1)+`
 		FROM `+pgsql.Table(c.cfg.Schema, "inbox_poison")+` WHERE id = $1`, id)
 	if err != nil {
 		return nil, err
@@ -111,7 +126,13 @@ func (c *Console) poisonPage(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	c.render(w, r, http.StatusOK, "poison", p)
+	c.render(w, r, http.StatusOK, "poison", poisonData{poisonRow: p, Requested: r.URL.Query().Get("replayed") == "1"})
+}
+
+// poisonData is a poison row's page.
+type poisonData struct {
+	*poisonRow
+	Requested bool // a replay was just requested
 }
 
 func (c *Console) poisonDeleteConfirm(w http.ResponseWriter, r *http.Request) {
@@ -233,9 +254,157 @@ func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) {
 	http.Redirect(w, r, c.link("/inbox")+query("consumer", consumer, "deleted", "1"), http.StatusSeeOther)
 }
 
-// REPLAY (issue 25, item 1) belongs here: a POST /inbox/{id}/replay (and by filter) that
-// re-drives a poison message through its own consumer exactly once. It waits for the replay
-// core (inbox package); poison.html shows where its button goes.
+// Replay (inbox.ReplayTx): the console files the request, in one transaction with the row's
+// state change; a running process of the row's consumer applies it exactly once. The
+// confirmation pages run the same call as a dry run, so they show what the button will do:
+// the count and ids, or why the replay is refused.
+
+const replayEffect = "Replay re-drives the message through its own consumer, exactly once, with its original id, payload and metadata: " +
+	"a running process of that consumer removes its dedup row, runs its handler and marks the row replayed, in one transaction, " +
+	"within its replay interval (5 s by default). No other consumer group of the topic sees it again. " +
+	"If it fails again it is given up again (state poison, with its attempts and history). Deploy the fix first."
+
+// replayError maps ReplayTx's refusals to the 400 page that says why; anything else is the
+// database's.
+func replayError(err error) error {
+	if errors.Is(err, inbox.ErrNoPoisonRow) || errors.Is(err, inbox.ErrReplayRefused) {
+		return badInput("%s", strings.TrimPrefix(err.Error(), "inbox: replay: "))
+	}
+	return err
+}
+
+func (c *Console) dryRunReplay(r *http.Request, f inbox.ReplayFilter) (inbox.ReplayResult, error) {
+	f.DryRun = true
+	var res inbox.ReplayResult
+	err := pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
+		var err error
+		res, err = inbox.ReplayTx(r.Context(), tx, c.cfg.Schema, f)
+		return err
+	})
+	return res, err
+}
+
+func (c *Console) poisonReplayConfirm(w http.ResponseWriter, r *http.Request) {
+	id, err := poisonID(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	p, err := c.loadPoison(r, id)
+	if errors.Is(err, errNoPoison) {
+		c.fail(w, r, http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
+		return
+	}
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	back := c.link("/inbox/" + strconv.FormatInt(id, 10))
+	v := confirmData{Title: "Replay poison message " + strconv.FormatInt(id, 10) + " of consumer " + p.Consumer,
+		Effect: replayEffect, Action: back + "/replay", Back: back, Count: 1, IDs: []string{strconv.FormatInt(id, 10)}}
+	if _, err := c.dryRunReplay(r, inbox.ReplayFilter{IDs: []int64{id}}); err != nil {
+		if err = replayError(err); !errors.Is(err, errBadInput) {
+			c.failErr(w, r, err)
+			return
+		}
+		v.Refusal, v.IDs = strings.TrimPrefix(err.Error(), errBadInput.Error()+": "), nil
+	}
+	c.render(w, r, http.StatusOK, "confirm", v)
+}
+
+func (c *Console) poisonReplay(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	id, err := poisonID(r)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	res, err := c.requestReplay(r, inbox.ReplayFilter{IDs: []int64{id}})
+	c.logAction(r, "inbox poison replay", err, "poison_id", id, "requested", len(res.Requested))
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	http.Redirect(w, r, c.link("/inbox/"+strconv.FormatInt(id, 10))+"?replayed=1", http.StatusSeeOther)
+}
+
+// requestReplay files a replay request in its own transaction, by the console's user.
+func (c *Console) requestReplay(r *http.Request, f inbox.ReplayFilter) (inbox.ReplayResult, error) {
+	f.By = "console:" + userOf(r)
+	var res inbox.ReplayResult
+	err := pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
+		var err error
+		res, err = inbox.ReplayTx(r.Context(), tx, c.cfg.Schema, f)
+		return err
+	})
+	return res, replayError(err)
+}
+
+// replayFilter reads a bulk replay's filter: a consumer (required: a click never replays every
+// consumer's rows) and, optionally, text the error contains.
+func replayFilter(get func(string) string) (inbox.ReplayFilter, map[string]string, error) {
+	consumer, errText := strings.TrimSpace(get("consumer")), strings.TrimSpace(get("error"))
+	for _, p := range []struct{ name, v string }{{"consumer", consumer}, {"error", errText}} {
+		if err := checkText(p.name, p.v); err != nil {
+			return inbox.ReplayFilter{}, nil, err
+		}
+	}
+	if consumer == "" {
+		return inbox.ReplayFilter{}, nil, badInput("choose the consumer whose poison rows to replay")
+	}
+	return inbox.ReplayFilter{Consumer: consumer, ErrorContains: errText, Limit: inbox.MaxReplayLimit},
+		map[string]string{"consumer": consumer, "error": errText}, nil
+}
+
+func (c *Console) poisonBulkReplayConfirm(w http.ResponseWriter, r *http.Request) {
+	f, hidden, err := replayFilter(r.URL.Query().Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	v := confirmData{Title: "Replay the poison rows of consumer " + f.Consumer, Effect: replayEffect,
+		Action: c.link("/inbox/replay"), Back: c.link("/inbox") + query("consumer", f.Consumer), Hidden: hidden}
+	res, err := c.dryRunReplay(r, f)
+	if err != nil {
+		if err = replayError(err); !errors.Is(err, errBadInput) {
+			c.failErr(w, r, err)
+			return
+		}
+		v.Refusal = strings.TrimPrefix(err.Error(), errBadInput.Error()+": ")
+	}
+	v.Count, v.More, v.Takes = int64(len(res.Requested)), res.More, res.More
+	for i, id := range res.Requested {
+		if i == 20 {
+			break
+		}
+		v.IDs = append(v.IDs, strconv.FormatInt(id, 10))
+	}
+	if len(res.Refused) > 0 && v.Refusal == "" {
+		v.Effect += fmt.Sprintf(" %d matching rows are refused and stay as they are (a saga's message, or no dedup key; their pages say why).", len(res.Refused))
+	}
+	c.render(w, r, http.StatusOK, "confirm", v)
+}
+
+func (c *Console) poisonBulkReplay(w http.ResponseWriter, r *http.Request) {
+	if !c.checkPost(w, r) {
+		return
+	}
+	f, _, err := replayFilter(r.PostForm.Get)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	res, err := c.requestReplay(r, f)
+	c.logAction(r, "inbox poison replay", err, "consumer", f.Consumer, "error_contains", f.ErrorContains,
+		"requested", len(res.Requested), "refused", len(res.Refused))
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	http.Redirect(w, r, c.link("/inbox")+query("consumer", f.Consumer, "replayed", strconv.Itoa(len(res.Requested))), http.StatusSeeOther)
+}
 
 // idemRecord is one row of idempotency_record.
 type idemRecord struct {

@@ -27,12 +27,15 @@ type Thresholds struct {
 	// MaxTimerLag: a saga timer or operator request due longer ago than this means no
 	// orchestrator fires them (none runs for the schema, or it cannot keep up).
 	MaxTimerLag time.Duration
+	// MaxReplayWait: an inbox replay request waiting longer than this means no process of its
+	// consumer applies replays (none runs, or it has no replay loop). 0: no check.
+	MaxReplayWait time.Duration
 }
 
 // DefaultThresholds are `onceflow status`'s defaults.
 func DefaultThresholds() Thresholds {
 	return Thresholds{MaxOldest: 5 * time.Minute, MaxHeartbeat: time.Minute, MaxRetention: 100_000,
-		MaxSagaAge: time.Hour, Window: 72 * time.Hour, MaxTimerLag: time.Minute}
+		MaxSagaAge: time.Hour, Window: 72 * time.Hour, MaxTimerLag: time.Minute, MaxReplayWait: time.Minute}
 }
 
 // Status is one look at a schema; --json prints it as is.
@@ -109,7 +112,12 @@ type StatusTable struct {
 // StatusPoison counts one inbox consumer's poison messages.
 type StatusPoison struct {
 	Consumer string `json:"consumer"`
-	Count    int64  `json:"count"`
+	// Count is the messages given up (state poison); replayed rows are not counted.
+	Count int64 `json:"count"`
+	// ReplayRequested counts replay requests waiting for a process of the consumer;
+	// OldestRequestSeconds is how long the oldest of them has waited.
+	ReplayRequested      int64   `json:"replay_requested,omitempty"`
+	OldestRequestSeconds float64 `json:"oldest_request_seconds,omitempty"`
 }
 
 // StatusSagas counts the unfinished sagas of one definition in one state.
@@ -199,7 +207,11 @@ func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*St
 	}
 	// inbox_poison holds only given-up messages, which an operator deletes once handled: a
 	// small table, counted in full.
-	rows, err = pool.Query(ctx, `SELECT consumer, count(*) FROM `+t("inbox_poison")+` GROUP BY consumer ORDER BY consumer`)
+	// Replayed rows are history, not problems; a replay request that waits long has no
+	// process of its consumer to apply it.
+	rows, err = pool.Query(ctx, `SELECT consumer, count(*) FILTER (WHERE state = 'poison'), count(*) FILTER (WHERE state = 'replay_requested'),
+		coalesce(extract(epoch FROM now() - min(replay_requested_at) FILTER (WHERE state = 'replay_requested'))::float8, 0)
+		FROM `+t("inbox_poison")+` WHERE state <> 'replayed' GROUP BY consumer ORDER BY consumer`)
 	if err != nil {
 		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
 	}
@@ -314,7 +326,17 @@ func (r *Status) check() {
 		poison += p.Count
 	}
 	if poison > th.MaxPoison {
-		add("%d inbox messages given up as poison (over %d): `onceflow inbox poison` shows them and why", poison, th.MaxPoison)
+		add("%d inbox messages given up as poison (over %d): `onceflow inbox poison` shows them and why; once the cause is fixed, "+
+			"`onceflow inbox poison replay --consumer <name>` applies them again", poison, th.MaxPoison)
+	}
+	for _, p := range r.InboxPoison {
+		wait := time.Duration(p.OldestRequestSeconds * float64(time.Second))
+		if th.MaxReplayWait > 0 && p.ReplayRequested > 0 && wait > th.MaxReplayWait {
+			add("%d replay requests of inbox consumer %q wait, the oldest for %s (over %s): no process of that consumer applies replays. "+
+				"Start it — a batched consumer (inboxkafka.BatchConsumer with ib.Batch, BatchNoPublish or BatchFunc) or a router with "+
+				"ib.Poison and router.AddPlugin(ib.RouterPlugin) — or check its logs; `onceflow inbox poison --consumer %s` shows the rows",
+				p.ReplayRequested, p.Consumer, wait.Round(time.Second), th.MaxReplayWait, p.Consumer)
+		}
 	}
 	r.OK = len(r.Problems) == 0
 }

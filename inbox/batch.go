@@ -67,6 +67,14 @@ type Poison struct {
 	// Attempts is how many times the message failed; Err is its last error.
 	Attempts int
 	Err      error
+	// Handler and PublishTopic are, for a router consumer (the Poison middleware), the
+	// Watermill handler the message failed in and its publish topic: a replay runs that
+	// handler again (Inbox.RouterPlugin). Empty for batched consumers.
+	Handler, PublishTopic string
+	// NoReplay, when set, says why `onceflow inbox poison replay` must refuse this message
+	// and what to do instead: the saga engine sets it for a reply whose saga it set stuck
+	// (`onceflow saga retry` resumes the saga) and for an invalid command.
+	NoReplay string
 }
 
 // BatchHandlerFunc is a set-based handler: it applies msgs (the new ones of a batch, in order,
@@ -106,7 +114,7 @@ type batchProcessor struct {
 
 // ProcessBatch implements BatchProcessor.
 func (p *batchProcessor) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
-	return p.ib.processBatch(ctx, msgs, p.topic, p.perMessage, p.set)
+	return p.ib.processBatch(ctx, msgs, p.topic, p.perMessage, p.set, nil)
 }
 
 // CheckSchema is the Inbox's: the batched consumer calls it before it starts.
@@ -121,12 +129,22 @@ func (p *batchProcessor) SettlePoison(ctx context.Context, msg *message.Message,
 // the middleware's transaction (a batch of one). Every dedup key is claimed in one statement
 // (one key: the plain INSERT), the handler runs for each new message in order, every message
 // the handlers return is written in one outbox statement, and everything commits at once.
-func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topic string, h message.HandlerFunc, set BatchHandlerFunc) (err error) {
+//
+// rp, when not nil, makes it the replay of a poison row (msgs is its one message): in the same
+// transaction, before the claim, the row is marked replayed and the message's dedup row is
+// removed, so the claim finds the key new again and the handler runs once more — all of it
+// commits together or not at all (replay.go). The recorded dedup key is the message's key.
+func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topic string, h message.HandlerFunc, set BatchHandlerFunc, rp *replayRow) (err error) {
 	consumer := ib.cfg.Consumer
 	keys := make([]string, 0, len(msgs))
 	keyed := make([]int, 0, len(msgs)) // index in msgs of each key
 	for i, msg := range msgs {
 		key, err := ib.key(msg)
+		if rp != nil {
+			// The key it was given up under: the replay removes exactly that dedup row, even
+			// if KeyFunc changed since.
+			key, err = rp.key, nil
+		}
 		if err != nil {
 			ib.cfg.Metrics.NoKey(consumer)
 			ib.endEarly(msg, outcomeNoKey, nil)
@@ -173,6 +191,18 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 	}()
 	if err := TakeTurnTx(ctx, tx, consumer); err != nil {
 		return err
+	}
+	if rp != nil {
+		started, err := ib.startReplayTx(ctx, tx, rp)
+		if err != nil {
+			return err
+		}
+		if !started {
+			// Applied by another process of the consumer meanwhile, or deleted: nothing to do.
+			committed = true
+			ib.rollback(ctx, tx, nil)
+			return nil
+		}
 	}
 	claimed, err := ib.ClaimTx(ctx, tx, keys...)
 	if err != nil {
@@ -399,7 +429,12 @@ func (ib *Inbox) SettlePoisonTx(ctx context.Context, tx pgx.Tx, msg *message.Mes
 	if payload == nil {
 		payload = []byte{}
 	}
-	if _, err := tx.Exec(ctx, ib.poisonSQL, ib.cfg.Consumer, key, msg.UUID, p.Source, md, payload, p.Attempts, reason); err != nil {
+	var noReplay *string
+	if p.NoReplay != "" {
+		noReplay = &p.NoReplay
+	}
+	if _, err := tx.Exec(ctx, ib.poisonSQL, ib.cfg.Consumer, key, msg.UUID, p.Source, md, payload, p.Attempts, reason,
+		p.Handler, p.PublishTopic, noReplay); err != nil {
 		return false, ib.dbError(fmt.Sprintf("record poison message %q", msg.UUID), err)
 	}
 	return true, nil

@@ -17,7 +17,8 @@
 // Use it as the innermost middleware, under Retry so each attempt gets a fresh transaction:
 //
 //	ib, err := inbox.New(inbox.Config{Pool: pool, Consumer: "billing"})
-//	router.AddMiddleware(poisonQueue, retry.Middleware, middleware.Recoverer, ib.Middleware)
+//	router.AddMiddleware(ib.Poison, retry.Middleware, middleware.Recoverer, ib.Middleware)
+//	router.AddPlugin(ib.RouterPlugin) // applies replays of given-up messages (ReplayTx)
 //	router.AddHandler("billing", "orders.placed", sub, "billing.invoiced", inbox.OutboxOnly{},
 //		func(msg *message.Message) ([]*message.Message, error) {
 //			tx := outbox.MustTx(msg.Context())
@@ -118,7 +119,15 @@ type Config struct {
 	// TraceAttributes adds attributes to the `process` span, e.g. inboxkafka.TraceAttributes
 	// (partition, offset, key). Default none.
 	TraceAttributes TraceAttributesFunc
+	// ReplayInterval is how often this consumer's processes look for replay requests of its
+	// poison rows (`onceflow inbox poison replay`, ReplayTx): the router's (RouterPlugin) and
+	// a batched consumer's (inboxkafka.BatchConsumer). Each look is one indexed query on the
+	// rows waiting. Default DefaultReplayInterval (5 s); negative is refused.
+	ReplayInterval time.Duration
 }
+
+// DefaultReplayInterval is the default Config.ReplayInterval.
+const DefaultReplayInterval = 5 * time.Second
 
 // Inbox is the deduplicating middleware of one consumer. It is safe for concurrent use; the
 // router runs it for many messages at once.
@@ -129,6 +138,10 @@ type Inbox struct {
 	seenManySQL, poisonSQL             string
 	errManaged                         error // what Commit and Rollback on the handler's view return
 	tr                                 *tracing.Tracer
+	replaySQL                          replaySQL
+	// routerReplays: RouterPlugin was installed, so the Poison middleware's rows get replayed.
+	routerReplays  atomic.Bool
+	warnNoReplayer sync.Once
 }
 
 // New validates cfg, reporting every problem at once, and returns an Inbox.
@@ -154,6 +167,11 @@ func New(cfg Config) (*Inbox, error) {
 		problems = append(problems, fmt.Errorf("CommitTimeout is %s; use 0 for the default (%s) or a positive bound", cfg.CommitTimeout, DefaultCommitTimeout))
 	} else if cfg.CommitTimeout == 0 {
 		cfg.CommitTimeout = DefaultCommitTimeout
+	}
+	if cfg.ReplayInterval < 0 {
+		problems = append(problems, fmt.Errorf("ReplayInterval is %s; use 0 for the default (%s) or a positive interval", cfg.ReplayInterval, DefaultReplayInterval))
+	} else if cfg.ReplayInterval == 0 {
+		cfg.ReplayInterval = DefaultReplayInterval
 	}
 	if cfg.NoKeyPolicy != RejectNoKey && cfg.NoKeyPolicy != DropNoKey {
 		problems = append(problems, fmt.Errorf("NoKeyPolicy is %v; use inbox.RejectNoKey (default) or inbox.DropNoKey", cfg.NoKeyPolicy))
@@ -194,10 +212,12 @@ func New(cfg Config) (*Inbox, error) {
 		seenManySQL: `SELECT u.k FROM unnest($2::text[]) AS u(k) CROSS JOIN LATERAL (SELECT 1 FROM ` + table +
 			` WHERE consumer = $1 AND dedup_key = u.k LIMIT 1) AS hit`,
 		poisonSQL: `INSERT INTO ` + pgsql.Table(cfg.Schema, "inbox_poison") +
-			` (consumer, dedup_key, message_uuid, source, metadata, payload, attempts, error) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)`,
+			` (consumer, dedup_key, message_uuid, source, metadata, payload, attempts, error, handler, publish_topic, replay_refusal)` +
+			` VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)`,
 		errManaged: fmt.Errorf("%w (inbox consumer %q: it commits after writing the handler's returned messages; to abort, return an error from the handler)",
 			outbox.ErrTxManaged, cfg.Consumer),
-		tr: tracing.New(cfg.TracerProvider, cfg.Propagator),
+		tr:        tracing.New(cfg.TracerProvider, cfg.Propagator),
+		replaySQL: newReplaySQL(cfg.Schema),
 	}, nil
 }
 
@@ -229,7 +249,10 @@ func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 // own error is returned unwrapped, so errors.Is/As and poison-queue reasons see it, and its
 // panic keeps unwinding (after the rollback) to Recoverer or the router.
 func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
-	err := ib.processBatch(msg.Context(), []*message.Message{msg}, message.PublishTopicFromCtx(msg.Context()), h, nil)
+	if n, ok := msg.Context().Value(attemptsKey{}).(*atomic.Int32); ok {
+		n.Add(1) // an attempt, for the Poison middleware's record
+	}
+	err := ib.processBatch(msg.Context(), []*message.Message{msg}, message.PublishTopicFromCtx(msg.Context()), h, nil, nil)
 	if pe := (*panicError)(nil); errors.As(err, &pe) {
 		panic(pe.v) // rolled back already; keeps unwinding to Recoverer or the router
 	}

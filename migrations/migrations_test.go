@@ -46,8 +46,8 @@ func TestUpTwiceIsNoop(t *testing.T) {
 			t.Fatalf("step %d pending after Up", s.Version)
 		}
 	}
-	// Step 0011: the saga list's keyset indexes.
-	for _, table := range []string{"outbox", "processed_event", "idempotency_record", "saga_created_idx", "saga_state_created_idx"} {
+	// Step 0011: the saga list's keyset indexes; step 0013: the inbox's replay requests.
+	for _, table := range []string{"outbox", "processed_event", "idempotency_record", "saga_created_idx", "saga_state_created_idx", "inbox_poison_replay_idx"} {
 		var ok bool
 		if err := db.Pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", db.Schema+"."+table).Scan(&ok); err != nil || !ok {
 			t.Fatalf("table %s missing (err %v)", table, err)
@@ -455,5 +455,48 @@ func TestOutboxLateCommitIndex(t *testing.T) {
 	}
 	if fn != nil {
 		t.Fatalf("outbox_summarize still exists (%s); step 0012 drops it", *fn)
+	}
+}
+
+// Step 0013 is idempotent, and marks the saga engine's poison rows written before it (a reply:
+// saga_outcome; a command: saga_reply_to) as refusing a replay, and no other row.
+func TestInboxPoisonReplayStepBackfill(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("inbox_poison")+` (consumer, dedup_key, message_uuid, metadata, payload, attempts, error) VALUES
+		('orchestrator', 'k1', 'u1', '{"saga_id": "s-1", "saga_outcome": "done"}', 'x', 5, 'e'),
+		('svc-charge', 'k2', 'u2', '{"saga_id": "s-2", "saga_reply_to": "replies"}', 'x', 5, 'e'),
+		('billing', 'k3', 'u3', '{"k": "v"}', 'x', 5, 'e')`); err != nil {
+		t.Fatal(err)
+	}
+	var step migrations.Migration
+	for _, m := range migrations.All() {
+		if m.Version == 13 {
+			step = m
+		}
+	}
+	if step.Version != 13 {
+		t.Fatal("no step 0013")
+	}
+	for range 2 { // idempotent
+		if _, err := db.Pool.Exec(ctx, step.SQL(db.Schema)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rows, err := db.Pool.Query(ctx, `SELECT message_uuid, coalesce(replay_refusal, '') FROM `+db.Table("inbox_poison")+` ORDER BY message_uuid`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for rows.Next() {
+		var u, r string
+		if err := rows.Scan(&u, &r); err != nil {
+			t.Fatal(err)
+		}
+		got[u] = r
+	}
+	if !strings.Contains(got["u1"], "onceflow saga retry s-1") || !strings.Contains(got["u2"], "not valid for its participant") || got["u3"] != "" {
+		t.Errorf("refusals after step 0013: %q", got)
 	}
 }

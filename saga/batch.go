@@ -246,6 +246,10 @@ func (o *Orchestrator) SettlePoison(ctx context.Context, msg *message.Message, p
 	var settled bool
 	err := pgx.BeginFunc(ctx, o.cfg.Pool, func(tx pgx.Tx) error {
 		var err error
+		// A replay of the reply would apply an old reply to a saga that may have moved on
+		// (`saga retry` re-sends the step with a new attempt): refused, with the way out.
+		p.NoReplay = "a saga reply: its saga was set stuck when it was given up; resume the saga with `onceflow saga retry " + ref.ID +
+			"` (a replay would apply an old reply to a saga that may have moved on)"
 		// A reply that another delivery applied meanwhile (its commit went through as the
 		// connection dropped) is not given up, and its saga is not stuck.
 		if settled, err = o.ib.SettlePoisonTx(ctx, tx, msg, p); err != nil || !settled || !isSaga {
@@ -385,6 +389,12 @@ func (p *Participant) reply(cmd *message.Message, ref outbox.SagaRef, replyTo, o
 func (p *Participant) settle(ctx context.Context, msg *message.Message, phase outbox.SagaPhase, ps inbox.Poison) error {
 	ref, replyTo, key, err := p.readCommand(msg, phase)
 	if err != nil {
+		// Not a valid command of this participant: a replay would fail the same way.
+		id := ref.ID
+		if id == "" {
+			id = "<saga id>"
+		}
+		ps.NoReplay = "a saga command that is not valid for its participant: a replay would fail the same way; fix the sender, then `onceflow saga retry " + id + "`"
 		return p.ib.SettlePoison(ctx, msg, ps)
 	}
 	reason := fmt.Sprintf("handler failed %d times: %v", ps.Attempts, ps.Err)

@@ -25,7 +25,7 @@ var everyHelp = [][]string{
 	{"outbox", "inspect", "-h"}, {"outbox", "parked", "-h"}, {"outbox", "replay", "--help"},
 	{"cleanup", "-h"}, {"cleanup", "--help"},
 	{"topics", "-h"}, {"topics", "--help"}, {"topics", "create", "-h"}, {"topics", "list", "--help"},
-	{"inbox", "-h"}, {"inbox", "poison", "-h"}, {"inbox", "poison", "list", "--help"}, {"inbox", "poison", "delete", "-h"},
+	{"inbox", "-h"}, {"inbox", "poison", "-h"}, {"inbox", "poison", "list", "--help"}, {"inbox", "poison", "delete", "-h"}, {"inbox", "poison", "replay", "-h"},
 	{"saga", "-h"}, {"saga", "--help"}, {"saga", "list", "-h"}, {"saga", "show", "-h"}, {"saga", "retry", "-h"}, {"saga", "compensate", "--help"},
 	{"ui", "-h"}, {"ui", "--help"},
 }
@@ -257,6 +257,7 @@ func TestUnmigratedSchemaSaysWhatToRun(t *testing.T) {
 		{[]string{"cleanup", "--only", "idempotency_record"}, 1},
 		{[]string{"inbox", "poison"}, 1},
 		{[]string{"inbox", "poison", "delete", "--id", "1"}, 1},
+		{[]string{"inbox", "poison", "replay", "--all"}, 1},
 		{[]string{"relay", "--kafka-brokers", "127.0.0.1:1"}, 1},
 		{[]string{"migrate", "status"}, exitPending},
 	} {

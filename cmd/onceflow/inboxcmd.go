@@ -19,10 +19,13 @@ import (
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
-const inboxSynopsis = `inbox poison [list|delete] [flags]
+const inboxSynopsis = `inbox poison [list|replay|delete] [flags]
 
-  poison         messages a batched consumer gave up on (inbox_poison), newest first:
-                 consumer, message uuid, source (topic/partition@offset), attempts, error
+  poison         messages a consumer gave up on (inbox_poison), newest first: consumer,
+                 message uuid, source, attempts, state, error
+  poison replay  re-drive given-up messages through their own consumer, exactly once, once
+                 the bug is fixed: --id N[,M...] | --consumer C [--since T] [--error TEXT] | --all
+                 [--dry-run] [--limit N]
   poison delete  remove handled rows: --id N[,M...]
 
 A message is given up after its attempts (or at once when no retry can fix it) in one
@@ -42,6 +45,8 @@ func (c *cli) runInbox(ctx context.Context, args []string) error {
 				return c.inboxPoisonList(ctx, rest[1:])
 			case "delete":
 				return c.inboxPoisonDelete(ctx, rest[1:])
+			case "replay":
+				return c.inboxPoisonReplay(ctx, rest[1:])
 			}
 		}
 		return c.inboxPoisonList(ctx, rest)
@@ -56,20 +61,25 @@ func (c *cli) runInbox(ctx context.Context, args []string) error {
 }
 
 func (c *cli) inboxUsage(w io.Writer) {
-	fmt.Fprintf(w, "Usage: onceflow %s\n\nRun 'onceflow inbox poison -h' or 'onceflow inbox poison delete -h' for the flags.\n", inboxSynopsis)
+	fmt.Fprintf(w, "Usage: onceflow %s\n\nRun 'onceflow inbox poison -h', 'onceflow inbox poison replay -h' or 'onceflow inbox poison delete -h' for the flags.\n", inboxSynopsis)
 }
 
 // poisonRow is one row of inbox_poison; --json prints a list of them.
 type poisonRow struct {
-	ID          int64             `json:"id"`
-	Consumer    string            `json:"consumer"`
-	DedupKey    *string           `json:"dedup_key"` // null: the message had no usable key
-	MessageUUID string            `json:"message_uuid"`
-	Source      string            `json:"source"`
-	Attempts    int               `json:"attempts"`
-	FailedAt    time.Time         `json:"failed_at"`
-	Error       string            `json:"error"`
-	Metadata    map[string]string `json:"metadata"`
+	ID          int64     `json:"id"`
+	Consumer    string    `json:"consumer"`
+	DedupKey    *string   `json:"dedup_key"` // null: the message had no usable key
+	MessageUUID string    `json:"message_uuid"`
+	Source      string    `json:"source"`
+	Attempts    int       `json:"attempts"`
+	FailedAt    time.Time `json:"failed_at"`
+	Error       string    `json:"error"`
+	// State is poison, replay_requested or replayed; Replays counts the replays applied.
+	State   string `json:"state"`
+	Replays int    `json:"replays"`
+	// History lists the row's replay events (requested, replayed, failed), oldest first.
+	History  []map[string]any  `json:"history"`
+	Metadata map[string]string `json:"metadata"`
 	// Payload is the message's payload as text when it is valid UTF-8; otherwise
 	// PayloadBase64 holds it.
 	Payload       *string `json:"payload,omitempty"`
@@ -78,14 +88,15 @@ type poisonRow struct {
 
 const poisonListSynopsis = `inbox poison [flags]
 
-Lists the messages a batched consumer (inboxkafka.BatchConsumer) gave up on, newest first.
-Each was recorded together with its dedup row: its partition moved on, and a redelivery of
-it is skipped. --json adds the dedup key, the metadata and the payload.
+Lists the messages a consumer gave up on (a batched consumer, or a router with the inbox's
+Poison middleware), newest first, with their state: poison (given up), replay_requested
+(waiting for a process of its consumer) or replayed. Each was recorded together with its
+dedup row: its partition moved on, and a redelivery of it is skipped. --json adds the dedup
+key, the metadata, the payload and the replay history.
 
-Once the cause is fixed, a message is applied again only if it is delivered again without
-its dedup row: delete the row of processed_event (consumer, dedup_key), then publish the
-payload and metadata (--json) to the source topic with the same message uuid. Remove the
-poison row when it is handled: onceflow inbox poison delete --id N.`
+Once the cause is fixed: onceflow inbox poison replay --id N (or --consumer C) re-drives the
+messages through their own consumer, exactly once. Remove a row when it is handled:
+onceflow inbox poison delete --id N.`
 
 func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	fs := c.newFlagSet("inbox poison", poisonListSynopsis)
@@ -116,7 +127,7 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE $1 = '' OR consumer = $1`, *consumer).Scan(&total); err != nil {
 		return fmt.Errorf("count the rows of %s.inbox_poison: %w", db.schema, err)
 	}
-	rows, err := pool.Query(ctx, `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, payload
+	rows, err := pool.Query(ctx, `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, payload, state, replays, history
 		FROM `+table+` WHERE ($1 = '' OR consumer = $1) AND ($3 = 0 OR id < $3) ORDER BY id DESC LIMIT $2`, *consumer, *limit, *before)
 	if err != nil {
 		return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
@@ -125,7 +136,8 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	for rows.Next() {
 		var r poisonRow
 		var meta, payload []byte
-		if err := rows.Scan(&r.ID, &r.Consumer, &r.DedupKey, &r.MessageUUID, &r.Source, &r.Attempts, &r.FailedAt, &r.Error, &meta, &payload); err != nil {
+		if err := rows.Scan(&r.ID, &r.Consumer, &r.DedupKey, &r.MessageUUID, &r.Source, &r.Attempts, &r.FailedAt, &r.Error, &meta, &payload,
+			&r.State, &r.Replays, &r.History); err != nil {
 			rows.Close()
 			return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
 		}
@@ -158,17 +170,18 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 		}
 		return p.flush(tw)
 	}
-	p.f("ID\tCONSUMER\tMESSAGE UUID\tSOURCE\tATTEMPTS\tFAILED AT\tERROR\n")
+	p.f("ID\tCONSUMER\tMESSAGE UUID\tSOURCE\tATTEMPTS\tSTATE\tFAILED AT\tERROR\n")
 	for _, r := range list {
-		p.f("%d\t%s\t%s\t%s\t%d\t%s\t%s\n", r.ID, r.Consumer, r.MessageUUID, r.Source, r.Attempts, fmtTime(r.FailedAt), shorten(r.Error, 100))
+		p.f("%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", r.ID, r.Consumer, r.MessageUUID, r.Source, r.Attempts, r.State, fmtTime(r.FailedAt), shorten(r.Error, 100))
 	}
 	shown := ""
 	if int64(len(list)) < total {
 		shown = fmt.Sprintf(" (%d shown; --before %d lists the next page)", len(list), list[len(list)-1].ID)
 	}
 	p.f("\n%d poison messages%s. Each has its dedup row: a redelivery is skipped.\n", total, shown)
-	p.f("--json shows the dedup key, metadata and payload (to re-publish a message after deleting its dedup row);\n")
-	p.f("once a message is handled: onceflow inbox poison delete --id %d\n", list[0].ID)
+	p.f("--json shows the dedup key, metadata, payload and replay history;\n")
+	p.f("once the cause is fixed: onceflow inbox poison replay --id %d (or --consumer %s); once handled: onceflow inbox poison delete --id %d\n",
+		list[0].ID, list[0].Consumer, list[0].ID)
 	return p.flush(tw)
 }
 

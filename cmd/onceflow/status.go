@@ -45,6 +45,7 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	fs.DurationVar(&th.MaxSagaAge, "max-saga-age", time.Hour, "stuck when a saga is running or compensating for longer than this since its start (0: no check)")
 	fs.Int64Var(&th.MaxPoison, "max-inbox-poison", 0, "stuck when more inbox messages than this were given up as poison (onceflow inbox poison)")
 	fs.DurationVar(&th.MaxTimerLag, "max-timer-lag", time.Minute, "stuck when a saga timer or operator request (saga retry, compensate) is overdue by more than this: no orchestrator fires them (0: no check)")
+	fs.DurationVar(&th.MaxReplayWait, "max-replay-wait", time.Minute, "stuck when an inbox replay request (onceflow inbox poison replay) waits longer than this: no process of its consumer applies replays (0: no check)")
 	windowText := fs.String("window", c.envOr("ONCEFLOW_RETENTION_WINDOW", strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s")),
 		"retention window of processed_event and finished sagas, as given to cleanup [ONCEFLOW_RETENTION_WINDOW]")
 	if err := parse(fs, args); err != nil {
@@ -62,8 +63,8 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	if th.MaxOldest <= 0 || th.MaxHeartbeat <= 0 {
 		problems = append(problems, errors.New("--max-oldest-age and --max-heartbeat-age must be positive"))
 	}
-	if th.MaxParked < 0 || th.MaxRetention < 0 || th.MaxStuckSagas < 0 || th.MaxSagaAge < 0 || th.MaxPoison < 0 || th.MaxTimerLag < 0 {
-		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age, --max-inbox-poison and --max-timer-lag must be 0 or more"))
+	if th.MaxParked < 0 || th.MaxRetention < 0 || th.MaxStuckSagas < 0 || th.MaxSagaAge < 0 || th.MaxPoison < 0 || th.MaxTimerLag < 0 || th.MaxReplayWait < 0 {
+		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age, --max-inbox-poison, --max-timer-lag and --max-replay-wait must be 0 or more"))
 	}
 	if fs.NArg() > 0 {
 		problems = append(problems, fmt.Errorf("unexpected arguments %q", fs.Args()))
@@ -159,9 +160,13 @@ func printStatus(w io.Writer, r *statusReport) error {
 		p.f("saga timers and operator requests overdue: %d\n", r.OverdueTimers)
 	}
 	if len(r.InboxPoison) > 0 {
-		p.f("\nINBOX CONSUMER\tPOISON MESSAGES\n")
+		p.f("\nINBOX CONSUMER\tPOISON MESSAGES\tREPLAYS WAITING\tOLDEST WAITS\n")
 		for _, ps := range r.InboxPoison {
-			p.f("%s\t%d\n", ps.Consumer, ps.Count)
+			oldest := "-"
+			if ps.ReplayRequested > 0 {
+				oldest = time.Duration(ps.OldestRequestSeconds * float64(time.Second)).Round(time.Second).String()
+			}
+			p.f("%s\t%d\t%d\t%s\n", ps.Consumer, ps.Count, ps.ReplayRequested, oldest)
 		}
 	} else {
 		p.f("no inbox messages given up as poison\n")

@@ -239,7 +239,9 @@ func (c *BatchConsumer) commitMarked(ctx context.Context, cl *kgo.Client) {
 }
 
 // Run consumes until ctx ends, then lets the batches in flight finish, commits the offsets of
-// what was applied, leaves the group and returns nil. It returns an error only if the client
+// what was applied, leaves the group and returns nil. While it runs, a processor that is an
+// inbox.Replayer (ib.Batch, BatchNoPublish, BatchFunc) also applies the replay requests of its
+// consumer's poison rows, every inbox.Config.ReplayInterval, with MaxAttempts and Backoff. It returns an error only if the client
 // stopped for another reason, or at once when the processor's schema is not migrated (a
 // processor with a CheckSchema method: the inbox's, the saga orchestrator and participants;
 // the error matches migrations.ErrNotMigrated and names the command to run). Call it once.
@@ -256,6 +258,24 @@ func (c *BatchConsumer) Run(ctx context.Context) error {
 	c.runCtx = ctx
 	c.mu.Unlock()
 	defer c.Close()
+	if r, ok := c.cfg.Processor.(inbox.Replayer); ok {
+		// Replay requests of the processor's poison rows (`onceflow inbox poison replay`):
+		// applied by this group's own processes, so no other group sees the messages again.
+		// Stopped (its transaction finished) before Close leaves the group.
+		rctx, cancel := context.WithCancel(ctx)
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			inbox.RunReplays(rctx, r.ReplayInterval(), c.log, func(ctx context.Context) (int, error) {
+				return r.ApplyReplays(ctx, c.policy())
+			})
+		}()
+		defer func() {
+			cancel()
+			wg.Wait()
+		}()
+	}
 	for {
 		fetches := c.cl.PollFetches(ctx)
 		if fetches.IsClientClosed() {

@@ -54,3 +54,13 @@ func IsUndefinedTable(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == UndefinedTable
 }
+
+// UndefinedColumn is the SQLSTATE of a statement naming a column that does not exist.
+const UndefinedColumn = "42703"
+
+// IsUndefinedColumn reports whether err is PostgreSQL's "column does not exist": in onceflow,
+// a schema migrated by an older release.
+func IsUndefinedColumn(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == UndefinedColumn
+}
