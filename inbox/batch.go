@@ -397,7 +397,7 @@ func (ib *Inbox) SettlePoison(ctx context.Context, msg *message.Message, p Poiso
 // LogPoison logs and counts a message recorded as poison, once its transaction committed.
 func (ib *Inbox) LogPoison(msg *message.Message, p Poison) {
 	ib.cfg.Metrics.Poisoned(ib.cfg.Consumer)
-	ib.cfg.Logger.Error("inbox: message given up; recorded as poison and skipped (`onceflow inbox poison` lists it)",
+	ib.cfg.Logger.Error("inbox: message given up; recorded as poison and skipped (`onceflow inbox poison` lists it; once the cause is fixed, `onceflow inbox poison replay` re-drives it through this consumer)",
 		"message_uuid", msg.UUID, "source", p.Source, "attempts", p.Attempts, "err", p.Err)
 }
 

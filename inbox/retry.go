@@ -122,7 +122,17 @@ func (rp RetryPolicy) ApplyOne(ctx context.Context, p BatchProcessor, msg *messa
 // a concurrent transaction, which a second run usually gets past. It reports false when ctx
 // ended first.
 func (rp RetryPolicy) Refused(ctx context.Context, failures, n int, source string, err error) bool {
-	if failures%10 == 0 {
+	switch {
+	case failures%10 != 0:
+	case failure.Contention(err):
+		// Expected with hot rows; an error only if it keeps happening.
+		level := slog.LevelWarn
+		if failures > 0 {
+			level = slog.LevelError
+		}
+		rp.Logger.Log(ctx, level, "inbox: a transaction conflicted with a concurrent one over the same rows (hot rows: docs/inbox.md, \"Hot rows\"); retrying it (its messages wait, none is skipped, no attempt is counted)",
+			"messages", n, "source", source, "failures", failures+1, "err", err)
+	default:
 		rp.Logger.Error("inbox: a transaction could not be applied; retrying it (its messages wait, none is skipped, no attempt is counted)",
 			"messages", n, "source", source, "failures", failures+1, "err", err)
 	}
