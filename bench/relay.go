@@ -412,6 +412,11 @@ func measureLatency(ctx context.Context, e *env, sys relaySystem, name string, t
 	for i, id := range ids {
 		at, _ := rcv.when(id)
 		lat[i] = at.Sub(committed[i])
+		// BENCH_LATDUMP=1 prints each event slower than 8 ms with when it committed (into the
+		// run), to tell a burst (a stall) from a spread tail; see BENCH_RELAY_DEBUG's batch log.
+		if os.Getenv("BENCH_LATDUMP") != "" && lat[i] > 8*time.Millisecond {
+			fmt.Fprintf(os.Stderr, "SLOW i=%d committed=%s +%.1fms lat=%s\n", i, committed[i].Format("15:04:05.000"), float64(committed[i].Sub(start))/1e6, lat[i])
+		}
 	}
 	return lat, nil
 }

@@ -544,7 +544,10 @@ func benchRelaySkip(ctx context.Context, e *env) ([]result, error) {
 }
 
 // benchLatencyLoad: commit → consumer receipt at 2,000 events/s, one event per transaction,
-// from 16 writers, for 5 s; onceflow with its defaults.
+// from 16 writers, for 5 s; onceflow with its defaults. The figures are the steady state: the
+// events of the first 0.25 s are left out (the writers' 16 connections being opened — backends
+// forking on the same 2 cores — and the relay waking from its sleep after the warm-up event:
+// the `latency` and `stall` rows measure waking). latency_load_p99_all keeps them.
 func benchLatencyLoad(ctx context.Context, e *env) ([]result, error) {
 	sys, err := newOnceflowSystem(ctx, e, "latload")
 	if err != nil {
@@ -552,15 +555,19 @@ func benchLatencyLoad(ctx context.Context, e *env) ([]result, error) {
 	}
 	defer sys.close()
 	const rate, seconds = 2000, 5
-	lat, err := measureLatency(ctx, e, sys, "onceflow", rate*seconds, rate, 50, 16)
+	const settle = rate / 4
+	all, err := measureLatency(ctx, e, sys, "onceflow", settle+rate*seconds, rate, 50, 16)
 	if err != nil {
 		return nil, err
 	}
+	lat := all[settle:] // in commit order
 	p50, p99 := percentile(lat, 50), percentile(lat, 99)
-	fmt.Fprintf(os.Stderr, "  latency_load onceflow n=%d p50=%s p99=%s max=%s\n", len(lat), p50, p99, slices.Max(lat))
+	fmt.Fprintf(os.Stderr, "  latency_load onceflow n=%d p50=%s p99=%s max=%s; with the first 0.25 s: p99=%s max=%s\n",
+		len(lat), p50, p99, slices.Max(lat), percentile(all, 99), slices.Max(all))
 	return []result{
 		{Scenario: "latency_load_p50", System: "onceflow", Value: ms(p50), Unit: "ms"},
 		{Scenario: "latency_load_p99", System: "onceflow", Value: ms(p99), Unit: "ms", Target: "≤ 5 ms"},
+		{Scenario: "latency_load_p99_all", System: "onceflow", Value: ms(percentile(all, 99)), Unit: "ms"},
 	}, nil
 }
 
