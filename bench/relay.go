@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"runtime/pprof"
 	"slices"
+	"strconv"
 	"sync"
 	"time"
 
@@ -412,9 +413,9 @@ func measureLatency(ctx context.Context, e *env, sys relaySystem, name string, t
 	for i, id := range ids {
 		at, _ := rcv.when(id)
 		lat[i] = at.Sub(committed[i])
-		// BENCH_LATDUMP=1 prints each event slower than 8 ms with when it committed (into the
+		// BENCH_LATDUMP=N prints each event slower than N ms with when it committed (into the
 		// run), to tell a burst (a stall) from a spread tail; see BENCH_RELAY_DEBUG's batch log.
-		if os.Getenv("BENCH_LATDUMP") != "" && lat[i] > 8*time.Millisecond {
+		if dump, err := strconv.ParseFloat(os.Getenv("BENCH_LATDUMP"), 64); err == nil && lat[i] > time.Duration(dump*float64(time.Millisecond)) {
 			fmt.Fprintf(os.Stderr, "SLOW i=%d committed=%s +%.1fms lat=%s\n", i, committed[i].Format("15:04:05.000"), float64(committed[i].Sub(start))/1e6, lat[i])
 		}
 	}
