@@ -29,13 +29,16 @@ import (
 	"github.com/onceflow/onceflow/relay/relaykafka"
 )
 
-// writeRounds is the number of rotating rounds of write_concurrent: 6, or BENCH_WRITE_ROUNDS
-// (on a loaded machine the per-round ratios scatter; 40 rounds give a steadier median).
+// writeRounds is the number of rotating rounds of write_concurrent: 24, or BENCH_WRITE_ROUNDS.
+// One round's ratios scatter by ±30 % even on a quiet machine (measured: onceflow ÷ plain
+// INSERT 0.72–1.33 per round), so the 5 % the row's target resolves needs many: 6 rounds gave
+// a median of 0.91 in two runs of one build where 30 rounds gave 1.00. 24 is four turns of the
+// six variants' rotation (each variant as often in each position), about 2.5 min.
 var writeRounds = func() int {
 	if n, err := strconv.Atoi(os.Getenv("BENCH_WRITE_ROUNDS")); err == nil && n > 0 {
 		return n
 	}
-	return 6
+	return 24
 }()
 
 // Sizes of the scale scenarios (drainGrowthBig may drop to 500,000 if the whole `make bench`
