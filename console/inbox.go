@@ -111,19 +111,29 @@ func (c *Console) loadPoison(r *http.Request, id int64) (*poisonRow, error) {
 	return p, err
 }
 
-func (c *Console) poisonPage(w http.ResponseWriter, r *http.Request) {
+// poisonOfPath reads the poison row the request's path names; when it cannot (a bad id, no
+// such row, the database) it has answered the request, and ok is false.
+func (c *Console) poisonOfPath(w http.ResponseWriter, r *http.Request) (id int64, p *poisonRow, ok bool) {
 	id, err := poisonID(r)
 	if err != nil {
 		c.failErr(w, r, err)
-		return
+		return 0, nil, false
 	}
-	p, err := c.loadPoison(r, id)
+	p, err = c.loadPoison(r, id)
 	if errors.Is(err, errNoPoison) {
 		c.fail(w, r, http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
-		return
+		return 0, nil, false
 	}
 	if err != nil {
 		c.failErr(w, r, err)
+		return 0, nil, false
+	}
+	return id, p, true
+}
+
+func (c *Console) poisonPage(w http.ResponseWriter, r *http.Request) {
+	_, p, ok := c.poisonOfPath(w, r)
+	if !ok {
 		return
 	}
 	c.render(w, r, http.StatusOK, "poison", poisonData{poisonRow: p, Requested: r.URL.Query().Get("replayed") == "1"})
@@ -136,18 +146,8 @@ type poisonData struct {
 }
 
 func (c *Console) poisonDeleteConfirm(w http.ResponseWriter, r *http.Request) {
-	id, err := poisonID(r)
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	p, err := c.loadPoison(r, id)
-	if errors.Is(err, errNoPoison) {
-		c.fail(w, r, http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
-		return
-	}
-	if err != nil {
-		c.failErr(w, r, err)
+	id, p, ok := c.poisonOfPath(w, r)
+	if !ok {
 		return
 	}
 	back := c.link("/inbox/" + strconv.FormatInt(id, 10))
@@ -285,18 +285,8 @@ func (c *Console) dryRunReplay(r *http.Request, f inbox.ReplayFilter) (inbox.Rep
 }
 
 func (c *Console) poisonReplayConfirm(w http.ResponseWriter, r *http.Request) {
-	id, err := poisonID(r)
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	p, err := c.loadPoison(r, id)
-	if errors.Is(err, errNoPoison) {
-		c.fail(w, r, http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
-		return
-	}
-	if err != nil {
-		c.failErr(w, r, err)
+	id, p, ok := c.poisonOfPath(w, r)
+	if !ok {
 		return
 	}
 	back := c.link("/inbox/" + strconv.FormatInt(id, 10))
