@@ -14,6 +14,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/pprof"
+	rtrace "runtime/trace"
 	"slices"
 	"strconv"
 	"sync"
@@ -522,6 +523,32 @@ func maybeProfile(name string) func() {
 		pprof.StopCPUProfile()
 		if err := f.Close(); err != nil {
 			fmt.Fprintln(os.Stderr, "cpu profile:", err)
+		}
+	}
+}
+
+// maybeTrace writes an execution trace of the bench process for the named phase when
+// BENCH_TRACE names a folder: where goroutines waited (network, scheduler, syscalls), e.g.
+// go tool trace -pprof=sched /tmp/trace/latency_load.trace > sched.pprof.
+func maybeTrace(name string) func() {
+	dir := os.Getenv("BENCH_TRACE")
+	if dir == "" {
+		return func() {}
+	}
+	f, err := os.Create(filepath.Join(dir, name+".trace"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "trace:", err)
+		return func() {}
+	}
+	if err := rtrace.Start(f); err != nil {
+		fmt.Fprintln(os.Stderr, "trace:", err)
+		_ = f.Close()
+		return func() {}
+	}
+	return func() {
+		rtrace.Stop()
+		if err := f.Close(); err != nil {
+			fmt.Fprintln(os.Stderr, "trace:", err)
 		}
 	}
 }

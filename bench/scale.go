@@ -559,7 +559,9 @@ func benchLatencyLoad(ctx context.Context, e *env) ([]result, error) {
 	defer sys.close()
 	const rate, seconds = 2000, 5
 	const settle = rate / 4
+	stopTrace := maybeTrace("latency_load")
 	all, err := measureLatency(ctx, e, sys, "onceflow", settle+rate*seconds, rate, 50, 16)
+	stopTrace()
 	if err != nil {
 		return nil, err
 	}
