@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strconv"
 
 	"github.com/ThreeDotsLabs/watermill/message"
@@ -365,6 +364,7 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 	keys := make([]string, len(cmds))
 	var claim, seenKeys, actionKeys []string
 	inClaim := map[string]bool{}
+	reads := map[string]bool{} // action keys in actionKeys
 	for i, c := range cmds {
 		keys[i] = c.key
 		if c.outcome != nil {
@@ -376,7 +376,8 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 			inClaim[actionKey] = true
 			claim = append(claim, actionKey)
 		}
-		if (c.ref.Phase == outbox.SagaPhaseCompensation || c.ref.Attempt > 1) && !slices.Contains(actionKeys, actionKey) {
+		if (c.ref.Phase == outbox.SagaPhaseCompensation || c.ref.Attempt > 1) && !reads[actionKey] {
+			reads[actionKey] = true
 			// A compensation reads what its action kept, a later attempt what an earlier one
 			// kept. A first attempt finds its action key taken only by a compensation (it is
 			// then skipped) or after its own dedup row was removed (read below).
@@ -433,7 +434,8 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 			actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
 			used[actionKey] = true
 			used[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)] = true
-			if taken[actionKey] && !slices.Contains(actionKeys, actionKey) && !slices.Contains(unread, actionKey) {
+			if taken[actionKey] && !reads[actionKey] {
+				reads[actionKey] = true
 				unread = append(unread, actionKey)
 			}
 		}
