@@ -14,6 +14,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/relay/relaykafka"
@@ -181,5 +182,51 @@ func TestBrokerOutage(t *testing.T) {
 	defer rec.mu.Unlock()
 	if rec.parked != 0 || rec.failed[relay.FailureUndeliverable] != 0 || rec.failed[relay.FailureTransient] == 0 {
 		t.Fatalf("failures %v, parked %d: an outage must count as transient and park nothing", rec.failed, rec.parked)
+	}
+}
+
+// TestDeleteFailures: PostgreSQL refuses two deletes of acknowledged rows in every five (a
+// trigger raising, as a lost connection or a failover would). The refused rows stay in the
+// outbox and must be claimed and published again (same event ids) before any later row of
+// their key; in the end everything is delivered in per-key order and the outbox is empty.
+func TestDeleteFailures(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	s := pgsql.Ident(db.Schema)
+	for _, stmt := range []string{
+		`CREATE SEQUENCE ` + s + `.delete_calls`,
+		`CREATE FUNCTION ` + s + `.refuse_deletes() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF nextval('` + s + `.delete_calls') % 5 < 2 THEN RAISE EXCEPTION 'injected: delete refused'; END IF;
+			RETURN NULL;
+		END $$`,
+		`CREATE TRIGGER refuse_deletes BEFORE DELETE ON ` + s + `.outbox FOR EACH STATEMENT EXECUTE FUNCTION ` + s + `.refuse_deletes()`,
+	} {
+		if _, err := db.Pool.Exec(ctx, stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	k := kafkatest.Fake(t, 1)
+	topic := kafkatest.Topic("delete-faults")
+	want := writeEvents(t, db, topic, 2000, 8, 50)
+	c := newConsumer(t, k.Brokers(), topic)
+	rec := newRecorder()
+	stop := startRelay(t, newKafkaRelay(t, db, k.Brokers(), relay.Config{Metrics: rec, BatchSize: 25,
+		RetryBackoff: 5 * time.Millisecond, MaxRetryBackoff: 50 * time.Millisecond}))
+	got := c.waitDistinct(t, len(want), time.Minute)
+	eventually(t, time.Minute, "empty outbox", func() bool { return outboxCount(t, db) == 0 })
+	stop()
+	dups := checkDelivery(t, want, got)
+	var calls int64
+	if err := db.Pool.QueryRow(ctx, `SELECT last_value FROM `+s+`.delete_calls`).Scan(&calls); err != nil {
+		t.Fatal(err)
+	}
+	rec.mu.Lock()
+	failed := rec.failed[relay.FailureDatabase]
+	rec.mu.Unlock()
+	t.Logf("%d delete statements, %d database failures counted, %d duplicates", calls, failed, dups)
+	if failed == 0 || dups == 0 {
+		t.Fatalf("%d database failures and %d duplicates: the refused deletes were not exercised", failed, dups)
 	}
 }

@@ -29,6 +29,7 @@ func (r *Relay) loop(ctx context.Context) {
 	r.lastRows, r.backoff = time.Now(), r.cfg.BusyPollInterval
 	for ctx.Err() == nil {
 		if shards, epochs := r.leases.takeReleases(); len(shards) > 0 {
+			r.flushPending(ctx) // their new owner would publish them again
 			if err := r.leases.giveBack(ctx, shards, epochs); err != nil && ctx.Err() == nil {
 				r.m.Failed(FailureDatabase, 1)
 				r.log.Warn("relay could not release shards; they expire on their own", "err", err)
@@ -45,6 +46,7 @@ func (r *Relay) loop(ctx context.Context) {
 		case backOff:
 			// Something failed for everyone (broker or database): wait it out, ignoring
 			// notifications, which would only hit the same failure sooner.
+			r.flushPending(ctx)
 			poll.Reset(out.wait)
 			select {
 			case <-ctx.Done():
@@ -52,12 +54,16 @@ func (r *Relay) loop(ctx context.Context) {
 			}
 			continue
 		case noShards:
+			r.flushPending(ctx)
 			if r.asleep {
 				r.setAwake(ctx) // nothing to publish: writers need not wake this relay
 			}
 			wait = r.cfg.PollInterval
 		default:
 			wait = r.idleWait(ctx, out)
+			if wait > r.cfg.BusyPollInterval {
+				r.flushPending(ctx) // no claim comes soon to take the delete along
+			}
 		}
 		poll.Reset(wait)
 		select {
@@ -73,6 +79,7 @@ func (r *Relay) loop(ctx context.Context) {
 			}
 		}
 	}
+	r.flushPending(ctx)
 }
 
 // idleWait decides how long the loop waits after a batch that was not full, moving between
@@ -219,10 +226,14 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 	}
 	t0 := time.Now()
 	cctx, cancelClaim := context.WithTimeout(bctx, r.cfg.StatementTimeout)
-	c, err := r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize)
+	c, deleted, err := r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize, r.pending.ids)
 	cancelClaim()
 	tClaim := time.Since(t0)
+	if deleted {
+		r.pending = pendingDelete{}
+	}
 	if err != nil {
+		r.flushPending(ctx) // the claim failed before its delete was confirmed: delete on its own
 		if bctx.Err() != nil {
 			return stepOutcome{next: idle, retryAt: blocked.next} // lease lost or shutting down, not a database failure
 		}
@@ -230,7 +241,7 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 		r.log.Warn("relay claim failed; retrying", "err", err)
 		return stepOutcome{next: backOff, wait: r.globalBackoff()}
 	}
-	res := &result{deleted: true}
+	res := &result{}
 	if len(c.msgs) > 0 {
 		if r.asleep {
 			// Woken: clear the mark now, not after the batch. The publish may wait up to the
@@ -269,11 +280,11 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 
 // advance moves the cursor after a batch (see cursor) and settles retried chains.
 func (r *Relay) advance(c *claimed, res *result, blocked blockedSet, now time.Time) {
+	// Acknowledged rows count as deleted: their delete is pending (undeleted moves the cursor
+	// back if it fails).
 	deleted := make(map[int64]bool, len(res.ackedIDs)+len(res.parkedIDs))
-	if res.deleted {
-		for _, id := range res.ackedIDs {
-			deleted[id] = true
-		}
+	for _, id := range res.ackedIDs {
+		deleted[id] = true
 	}
 	for _, id := range res.parkedIDs {
 		deleted[id] = true
@@ -319,16 +330,9 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StatementTimeout)
 	defer cancel()
 	now := time.Now()
-	// Deleted before the next claim, never overlapped with it: a claim that skipped rows still
-	// being deleted by an id range would also skip a row of the same key committed late inside
-	// that range while taking the key's later rows, and reorder the key.
-	if len(res.ackedIDs) > 0 {
-		if err := r.deleteAcked(fctx, res.ackedIDs); err != nil {
-			res.deleted = false
-			r.m.Failed(FailureDatabase, 1)
-			r.log.Warn("relay could not delete acknowledged rows; they will be published again (same event ids)", "rows", len(res.ackedIDs), "err", err)
-		}
-	}
+	// Acknowledged rows are deleted by the next claim, in its round trip (see pendingDelete).
+	r.pending.ids = append(r.pending.ids, res.ackedIDs...)
+	r.pending.msgs = append(r.pending.msgs, res.ackedMsgs...)
 	for _, m := range res.ackedMsgs {
 		r.blocked.ok(m)
 	}
@@ -346,12 +350,58 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 	if len(r.blocked.entries) > 0 {
 		acked := make(map[int64]bool, len(res.ackedIDs))
 		for _, id := range res.ackedIDs {
-			acked[id] = res.deleted
+			acked[id] = true
 		}
 		for _, m := range msgs {
 			if !acked[m.ID] {
 				r.blocked.lowerFloor(m.blockKey, m.ID)
 			}
+		}
+	}
+}
+
+// pendingDelete is the acknowledged rows of the last batch, waiting for their DELETE. It is sent
+// in the next claim's round trip, before the claim's own transaction (runClaim), which saves
+// each batch a round trip to PostgreSQL: under load the relay's steps are mostly waits for
+// its answers. The order stays what the claims need: the delete commits before the next claim
+// takes its snapshot, never overlapped with it (a claim that skipped rows still being deleted
+// by an id range would also skip a row of the same key committed late inside that range
+// while taking the key's later rows, and reorder the key). When no claim comes soon (the loop
+// waits longer than BusyPollInterval, backs off, gives shards back or stops), flushPending
+// deletes them on their own. Until then they are acknowledged rows still in the outbox, which
+// a crash publishes again with the same event ids, as it would between ack and delete.
+type pendingDelete struct {
+	ids  []int64
+	msgs []*Message
+}
+
+// flushPending deletes the pending acknowledged rows now. If that fails, the rows are treated
+// as not delivered: the cursor (or their blocked chain's floor) moves back so they are claimed
+// and published again (same event ids) before any later row of their key.
+func (r *Relay) flushPending(ctx context.Context) {
+	if len(r.pending.ids) == 0 {
+		return
+	}
+	p := r.pending
+	r.pending = pendingDelete{}
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StatementTimeout)
+	defer cancel()
+	if err := r.deleteAcked(fctx, p.ids); err != nil {
+		r.m.Failed(FailureDatabase, 1)
+		r.log.Warn("relay could not delete acknowledged rows; they will be published again (same event ids)", "rows", len(p.ids), "err", err)
+		r.undeleted(p.msgs)
+	}
+}
+
+// undeleted puts rows whose delete failed back in the way of the claims: the floor of their
+// blocked chain, else the cursor, moves back before them.
+func (r *Relay) undeleted(msgs []*Message) {
+	for _, m := range msgs {
+		switch {
+		case r.blocked.has(m.blockKey):
+			r.blocked.lowerFloor(m.blockKey, m.ID)
+		case m.ID-1 < r.cur.pos:
+			r.cur.pos = m.ID - 1
 		}
 	}
 }
@@ -362,11 +412,16 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 // contract allows, and every batch saves a disk flush.
 func (r *Relay) deleteAcked(ctx context.Context, ids []int64) error {
 	b := &pgx.Batch{}
+	queueDelete(b, r.q.deleteAcked, ids)
+	return r.pool.SendBatch(ctx, b).Close()
+}
+
+// queueDelete queues the delete of acknowledged rows (ids) as a transaction of four statements.
+func queueDelete(b *pgx.Batch, sql string, ids []int64) {
 	b.Queue("BEGIN")
 	b.Queue("SET LOCAL synchronous_commit TO OFF")
-	b.Queue(r.q.deleteAcked, ids)
+	b.Queue(sql, ids)
 	b.Queue("COMMIT")
-	return r.pool.SendBatch(ctx, b).Close()
 }
 
 // recordFailures counts undeliverable failures in outbox.attempts and parks rows that reached the

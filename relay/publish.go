@@ -19,8 +19,6 @@ type result struct {
 	// held are rows not sent because their topic is closed (topicGate), the first of each
 	// chain, with until when the topic stays closed.
 	held []heldMsg
-	// deleted is false when deleting the acknowledged rows failed (they stay in the outbox).
-	deleted bool
 }
 
 type culprit struct {
@@ -49,7 +47,7 @@ type heldMsg struct {
 // earlier half first, until every failure is pinned on one message. Collateral messages are
 // then simply delivered.
 func (r *Relay) publish(ctx context.Context, msgs []*Message) *result {
-	res := &result{ackedIDs: make([]int64, 0, len(msgs)), ackedMsgs: make([]*Message, 0, len(msgs)), deleted: true}
+	res := &result{ackedIDs: make([]int64, 0, len(msgs)), ackedMsgs: make([]*Message, 0, len(msgs))}
 	failed := map[string]bool{}
 	var seg []*Message
 	flush := func() {

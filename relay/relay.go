@@ -43,6 +43,7 @@ type Relay struct {
 	backoff     time.Duration
 	asleep      bool // marked asleep in relay_member: writers notify on commit
 	sleptAt     time.Time
+	pending     pendingDelete // acknowledged rows not deleted yet: the next claim deletes them
 	// listening is true while the listener connection is LISTENing.
 	listening atomic.Bool
 	tr        *tracing.Tracer // send spans (trace.go)

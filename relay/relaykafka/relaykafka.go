@@ -40,10 +40,11 @@ const (
 	// After NOT_LEADER_FOR_PARTITION (a leader moved: broker restarts, rolling upgrades,
 	// partition reassignment) the producer cannot send that partition until it learned the new
 	// leader; franz-go's default of 5 s then stalls every batch for seconds at each move, and
-	// under repeated moves a drain slowed down ~180× in TestDrainUnderLeaderChurn. 250 ms is
-	// what the Java producer roughly does (retry.backoff.ms = 100 ms before a refresh) and costs
-	// at most four metadata requests a second while leaders move.
-	MetadataMinAge = 100 * time.Millisecond
+	// under repeated moves a drain slowed down ~180× in TestDrainUnderLeaderChurn. Each
+	// NOT_LEADER then holds the relay's batch until the refresh: measured in make bench's
+	// drain_churn (docs/relay.md), 100 ms cost a drain ~70 ms per refused request, 50 ms ~30 ms.
+	// 50 ms costs at most 20 metadata requests a second while leaders move, none otherwise.
+	MetadataMinAge = 50 * time.Millisecond
 	// RetryBackoffMin and RetryBackoffMax bound the client's backoff between retries of a
 	// failed produce request (doubling, ±20 % jitter); franz-go's defaults are 250 ms and 5 s.
 	// A retry rarely needs to wait longer than the metadata refresh it follows.
