@@ -323,17 +323,16 @@ func (r *Relay) globalBackoff() time.Duration {
 	return backoffDelay(r.cfg.RetryBackoff, r.cfg.MaxRetryBackoff, r.idleFails, rand.Float64())
 }
 
-// finish records the batch's outcome in the database: acknowledged rows deleted, undeliverable
-// failures counted and parked at the limit. It uses its own context: deleting acknowledged
-// rows is worth finishing even when shutdown or a lost lease cancelled the batch.
+// finish records the batch's outcome: acknowledged rows queued for deletion (pendingDelete),
+// undeliverable failures counted and parked at the limit. It uses its own context: recording
+// failures is worth finishing even when shutdown or a lost lease cancelled the batch.
 func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res *result) {
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StatementTimeout)
 	defer cancel()
 	now := time.Now()
-	// Acknowledged rows are deleted by the next claim, in its round trip (see pendingDelete).
-	r.pending.ids = append(r.pending.ids, res.ackedIDs...)
-	r.pending.msgs = append(r.pending.msgs, res.ackedMsgs...)
 	for _, m := range res.ackedMsgs {
+		r.pending.ids = append(r.pending.ids, m.ID)
+		r.pending.chains = append(r.pending.chains, m.blockKey)
 		r.blocked.ok(m)
 	}
 	if len(res.culprits) > 0 {
@@ -370,9 +369,12 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 // waits longer than BusyPollInterval, backs off, gives shards back or stops), flushPending
 // deletes them on their own. Until then they are acknowledged rows still in the outbox, which
 // a crash publishes again with the same event ids, as it would between ack and delete.
+//
+// Only ids and chains are kept, not the messages: their payloads (up to MaxBatchBytes) must
+// not stay alive while the next batch is read.
 type pendingDelete struct {
-	ids  []int64
-	msgs []*Message
+	ids    []int64
+	chains []string // blockKey of each row, in the order of ids
 }
 
 // flushPending deletes the pending acknowledged rows now. If that fails, the rows are treated
@@ -389,19 +391,19 @@ func (r *Relay) flushPending(ctx context.Context) {
 	if err := r.deleteAcked(fctx, p.ids); err != nil {
 		r.m.Failed(FailureDatabase, 1)
 		r.log.Warn("relay could not delete acknowledged rows; they will be published again (same event ids)", "rows", len(p.ids), "err", err)
-		r.undeleted(p.msgs)
+		r.undeleted(p)
 	}
 }
 
 // undeleted puts rows whose delete failed back in the way of the claims: the floor of their
 // blocked chain, else the cursor, moves back before them.
-func (r *Relay) undeleted(msgs []*Message) {
-	for _, m := range msgs {
+func (r *Relay) undeleted(p pendingDelete) {
+	for i, id := range p.ids {
 		switch {
-		case r.blocked.has(m.blockKey):
-			r.blocked.lowerFloor(m.blockKey, m.ID)
-		case m.ID-1 < r.cur.pos:
-			r.cur.pos = m.ID - 1
+		case r.blocked.has(p.chains[i]):
+			r.blocked.lowerFloor(p.chains[i], id)
+		case id-1 < r.cur.pos:
+			r.cur.pos = id - 1
 		}
 	}
 }
