@@ -488,3 +488,64 @@ func TestTxPublisher(t *testing.T) {
 		t.Fatalf("rows = %+v", got)
 	}
 }
+
+// TestQueueWriteTx: the events queued into a batch with the business statement commit or roll
+// back with it, in one round trip; a refused message queues nothing.
+func TestQueueWriteTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	w := newWriter(t, db, outbox.Config{})
+	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+db.Table("orders")+` (id int PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	send := func(id int, msgs ...*message.Message) (queued int, err error) {
+		err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			b.Queue(`INSERT INTO `+db.Table("orders")+` VALUES ($1)`, id)
+			if err := w.QueueWriteTx(ctx, b, "orders", msgs...); err != nil {
+				queued = b.Len()
+				return err
+			}
+			queued = b.Len()
+			return tx.SendBatch(ctx, b).Close()
+		})
+		return queued, err
+	}
+
+	// The business statement fails (duplicate id): the queued events roll back with it.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("orders")+` VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := send(1, outbox.NewMessage([]byte("lost"))); err == nil {
+		t.Fatal("a batch whose business INSERT failed was sent without error")
+	}
+	if got := readRows(t, db); len(got) != 0 {
+		t.Fatalf("a failed batch left %d outbox rows", len(got))
+	}
+
+	// A refused message: nothing of the call is queued, the error names it.
+	n, err := send(2, outbox.NewMessage([]byte("ok")), outbox.NewMessage(nil))
+	var ve *outbox.ValidationError
+	if !errors.As(err, &ve) || ve.Index != 1 || n != 1 {
+		t.Fatalf("err %v, %d statements queued; want a ValidationError for message 1 and only the business statement", err, n)
+	}
+
+	// Committed: the rows carry what was queued, in order.
+	msgs := []*message.Message{
+		outbox.SetPartitionKey(outbox.NewMessage([]byte(`{"n":1}`)), "order-3"),
+		outbox.NewMessage([]byte(`{"n":2}`)),
+	}
+	if _, err := send(3, msgs...); err != nil {
+		t.Fatal(err)
+	}
+	got := readRows(t, db)
+	if len(got) != len(msgs) {
+		t.Fatalf("got %d rows, want %d", len(got), len(msgs))
+	}
+	for i, m := range msgs {
+		if got[i].EventID != m.UUID || string(got[i].Payload) != string(m.Payload) || got[i].Key != outbox.PartitionKey(m) {
+			t.Errorf("row %d = %+v, want uuid %s payload %q key %q", i, got[i], m.UUID, m.Payload, outbox.PartitionKey(m))
+		}
+	}
+}
