@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // A claim reads the next rows to publish without locks, and costs the same whatever the
@@ -252,45 +253,46 @@ func scanClaim(br pgx.BatchResults, kind claimKind, limit int) (*claimed, error)
 	// was the largest share of its garbage (GC cycles show in its latency tail); append grows it.
 	c := &claimed{kind: kind, limit: limit, msgs: make([]*Message, 0, min(limit, 16))}
 	sawHeader := false
+	// Scan targets are reused across rows, as values: per-row variables whose addresses go to
+	// Scan, and pointers for the NULL-able header columns, cost eight allocations per row.
+	var (
+		head                      bool
+		low, seq, taken, id, size pgtype.Int8
+		snap                      pgtype.Text
+		meta                      []byte
+	)
 	for rows.Next() {
-		var (
-			head  bool
-			low   *int64
-			snap  *string
-			seq   *int64
-			taken *int64
-			id    *int64
-			m     = &Message{}
-			meta  []byte
-			size  *int64
-		)
+		m := &Message{}
 		if err := rows.Scan(&head, &low, &snap, &seq, &taken,
 			&id, &m.EventID, &m.Topic, &m.Key, &m.keyHash, &m.Payload, &meta, &m.CreatedAt, &m.Attempts, &size); err != nil {
 			return nil, err
 		}
 		if head {
 			sawHeader = true
-			if low != nil {
-				c.low = *low
+			if low.Valid {
+				c.low = low.Int64
 			}
-			if snap != nil {
-				c.snap = *snap
+			if snap.Valid {
+				c.snap = snap.String
 			}
-			c.seq = seq
-			if taken != nil {
-				c.taken = int(*taken)
+			if seq.Valid {
+				v := seq.Int64
+				c.seq = &v
+			}
+			if taken.Valid {
+				c.taken = int(taken.Int64)
 			}
 			continue
 		}
-		m.ID = *id
+		m.ID = id.Int64
 		m.blockKey = blockKeyOf(m.Key, m.ID)
 		if m.Metadata, err = parseMetadata(meta); err != nil {
 			// Not a JSON object of strings (the writer never stores that): refuse this row only.
 			m.Metadata = nil
 			m.badMetadata = fmt.Errorf("metadata of row %d is not a JSON object of strings: %w", m.ID, err)
 		}
-		if size != nil {
-			c.bytes += *size
+		if size.Valid {
+			c.bytes += size.Int64
 		}
 		c.msgs = append(c.msgs, m)
 	}
