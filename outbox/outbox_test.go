@@ -59,14 +59,20 @@ func newWriter(t *testing.T, db *testdb.DB, cfg outbox.Config) *outbox.Writer {
 	return w
 }
 
+// withOrders is a test database with a business table, orders (id int), and a writer.
+func withOrders(t *testing.T) (*testdb.DB, *outbox.Writer) {
+	t.Helper()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(context.Background(), `CREATE TABLE `+db.Table("orders")+` (id int PRIMARY KEY)`); err != nil {
+		t.Fatal(err)
+	}
+	return db, newWriter(t, db, outbox.Config{})
+}
+
 func TestWriteTxAtomic(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.New(t)
-	w := newWriter(t, db, outbox.Config{})
-	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+db.Table("orders")+` (id int PRIMARY KEY)`); err != nil {
-		t.Fatal(err)
-	}
+	db, w := withOrders(t)
 
 	// Rolled back: neither the business row nor the events exist.
 	tx, err := db.Pool.Begin(ctx)
@@ -494,11 +500,7 @@ func TestTxPublisher(t *testing.T) {
 func TestQueueWriteTx(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := testdb.New(t)
-	w := newWriter(t, db, outbox.Config{})
-	if _, err := db.Pool.Exec(ctx, `CREATE TABLE `+db.Table("orders")+` (id int PRIMARY KEY)`); err != nil {
-		t.Fatal(err)
-	}
+	db, w := withOrders(t)
 	send := func(id int, msgs ...*message.Message) (queued int, err error) {
 		err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
 			b := &pgx.Batch{}
