@@ -230,3 +230,33 @@ func TestDeleteFailures(t *testing.T) {
 		t.Fatalf("%d database failures and %d duplicates: the refused deletes were not exercised", failed, dups)
 	}
 }
+
+// TestShutdownDeletesAcknowledgedRows: a relay stopped right after Kafka acknowledged its last
+// batch deletes that batch before Run returns, although the delete normally waits for the next
+// claim (here a second away): nothing it published is left to be published again.
+func TestShutdownDeletesAcknowledgedRows(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	k := kafkatest.Fake(t, 1)
+	topic := kafkatest.Topic("shutdown-delete")
+	c := newConsumer(t, k.Brokers(), topic)
+	rec := newRecorder()
+	stop := startRelay(t, newKafkaRelay(t, db, k.Brokers(), relay.Config{Shards: 4, Metrics: rec,
+		BusyPollInterval: time.Second, PollInterval: 2 * time.Second}))
+	// Written once the relay holds its shards and sleeps: the commit wakes it, it publishes
+	// the batch, and its next claim (which would carry the delete) is a second away.
+	rec.waitFor(t, 30*time.Second, "all shards owned", func(r *recorder) bool { return r.owned == 4 })
+	eventually(t, 30*time.Second, "relay asleep", func() bool {
+		var asleep bool
+		if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) > 0 FROM `+db.Table("relay_member")+` WHERE asleep_until > now()`).Scan(&asleep); err != nil {
+			t.Fatal(err)
+		}
+		return asleep
+	})
+	want := writeEvents(t, db, topic, 50, 5, 50)
+	checkDelivery(t, want, c.waitDistinct(t, len(want), 30*time.Second))
+	stop()
+	if n := outboxCount(t, db); n != 0 {
+		t.Fatalf("%d published rows left in the outbox after Run returned", n)
+	}
+}
