@@ -258,15 +258,8 @@ func (ib *Inbox) processBatch(ctx context.Context, msgs []*message.Message, topi
 		}
 	}
 	if err := tx.Commit(cctx); err != nil {
-		// The outcome of a failed COMMIT can be unknown (connection lost after sending it).
-		// Failing is safe either way: if it did commit, the redelivery finds the dedup rows
-		// and is skipped. A constraint a handler deferred to COMMIT is the message's (the
-		// batch's one, or split to find it).
-		idx := -1
-		if len(freshIdx) == 1 {
-			idx = freshIdx[0]
-		}
-		return Blame(fmt.Errorf("inbox: consumer %q: commit a batch of %d: %w", consumer, len(fresh), err), tx.Conn(), idx)
+		return BlameCommit(fmt.Errorf("inbox: consumer %q: commit a batch of %d: %w", consumer, len(fresh), err), tx.Conn(),
+			len(freshIdx), func(i int) int { return freshIdx[i] })
 	}
 	committed = true
 	took := time.Since(start)

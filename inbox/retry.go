@@ -28,6 +28,19 @@ func Blame(err error, conn *pgx.Conn, index int) error {
 	return &MessageError{Index: index, Err: err}
 }
 
+// BlameCommit is Blame for a failed COMMIT of a transaction that applied n messages, the
+// i-th at index(i). The outcome of a failed COMMIT can be unknown (the connection lost after
+// sending it); failing is safe either way: if it did commit, the redelivery finds the dedup
+// rows and is skipped. A constraint a handler deferred to COMMIT is the message's when there
+// was one, else no single message can be named (−1: the consumer splits the batch to find it).
+func BlameCommit(err error, conn *pgx.Conn, n int, index func(i int) int) error {
+	only := -1
+	if n == 1 {
+		only = index(0)
+	}
+	return Blame(err, conn, only)
+}
+
 type turnsKey struct{}
 
 // TakeTurns returns a context in which the consumers' engines (the inbox's, the saga

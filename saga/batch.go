@@ -199,11 +199,8 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 		}
 	}
 	if err := commit(ctx, tx); err != nil {
-		idx := -1 // a deferred constraint of an OnReplyTx handler or a local step: split to find it
-		if len(fresh) == 1 {
-			idx = fresh[0].index
-		}
-		return inbox.Blame(err, tx.Conn(), idx)
+		// A deferred constraint of an OnReplyTx handler or a local step.
+		return inbox.BlameCommit(err, tx.Conn(), len(fresh), func(i int) int { return fresh[i].index })
 	}
 	for _, d := range applied {
 		o.observe(d.in, d.fx, now)

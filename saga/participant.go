@@ -480,17 +480,13 @@ func (p *Participant) queueResults(b *pgx.Batch, keys []string, results map[stri
 }
 
 // commitBlamed commits a participant's batch: a failure at COMMIT is the batch's when
-// transient, else the command's (a deferred constraint of the handler's), see inbox.Blame.
+// transient, else the command's (a deferred constraint of the handler's), see
+// inbox.BlameCommit.
 func commitBlamed(ctx context.Context, tx pgx.Tx, cmds []*command) error {
-	err := commit(ctx, tx)
-	if err == nil {
-		return nil
+	if err := commit(ctx, tx); err != nil {
+		return inbox.BlameCommit(err, tx.Conn(), len(cmds), func(i int) int { return cmds[i].index })
 	}
-	idx := -1
-	if len(cmds) == 1 {
-		idx = cmds[0].index
-	}
-	return inbox.Blame(err, tx.Conn(), idx)
+	return nil
 }
 
 // runHandler runs the handler on a view of tx that it cannot end. A handler that tried to end
