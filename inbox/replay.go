@@ -401,6 +401,7 @@ func (ib *Inbox) applyReplays(ctx context.Context, rp RetryPolicy, handlers []st
 		return 0, err
 	}
 	replayed := 0
+	rp.replaying = true
 	for _, row := range rows {
 		msg := message.NewMessage(row.uuid, row.payload)
 		if row.metadata != nil {

@@ -1,11 +1,14 @@
 package inbox_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -175,7 +178,11 @@ func TestReplayTxRequests(t *testing.T) {
 func TestRouterPoisonReplay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	f := newFixture(t, func(c *inbox.Config) { c.ReplayInterval = 20 * time.Millisecond })
+	var logs syncBuffer
+	f := newFixture(t, func(c *inbox.Config) {
+		c.ReplayInterval = 20 * time.Millisecond
+		c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	})
 	logger := watermill.NopLogger{}
 	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 64}, logger)
 	t.Cleanup(func() { _ = pubsub.Close() })
@@ -256,6 +263,10 @@ func TestRouterPoisonReplay(t *testing.T) {
 		s := f.states()
 		return s[inbox.StateReplayed] == 4 && s[inbox.StatePoison] == 2 && s[inbox.StateReplayRequested] == 0
 	})
+	// The still-bad message's retries during its replay say what waits for them.
+	if l := logs.String(); !strings.Contains(l, "trying it again alone (the next replay waits)") || strings.Contains(l, "partition wait") {
+		t.Errorf("a replay's retries were logged as:\n%s", l)
+	}
 	for _, m := range append(good, bad...) {
 		if n := f.effects(m.UUID); n != 1 {
 			t.Errorf("message %s applied %d times", m.Payload, n)
@@ -298,4 +309,22 @@ func TestRouterPoisonReplay(t *testing.T) {
 	if err := f.db.Pool.QueryRow(ctx, `SELECT history FROM `+f.db.Table("inbox_poison")+` WHERE message_uuid = $1`, bad[1].UUID).Scan(&hist); err != nil || !json.Valid(hist) {
 		t.Errorf("history: %s %v", hist, err)
 	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger writing from several goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }

@@ -79,6 +79,10 @@ type RetryPolicy struct {
 	// Logger receives each failed attempt (warn) and refused transactions (error, the first and
 	// then every 10th).
 	Logger *slog.Logger
+
+	// replaying marks the policy of a replay (applyReplays): what waits meanwhile is the next
+	// replay, not the message's partition.
+	replaying bool
 }
 
 // ApplyOne applies msg alone through p until it is processed or given up. failed, when not nil,
@@ -101,7 +105,11 @@ func (rp RetryPolicy) ApplyOne(ctx context.Context, p BatchProcessor, msg *messa
 			if IsPoison(err) || attempts >= rp.MaxAttempts {
 				return rp.giveUp(ctx, p, msg, Poison{Source: source, Attempts: attempts, Err: err})
 			}
-			rp.Logger.Warn("inbox: message failed; trying it again alone (later messages of its partition wait)",
+			waits := "later messages of its partition wait"
+			if rp.replaying {
+				waits = "the next replay waits"
+			}
+			rp.Logger.Warn("inbox: message failed; trying it again alone ("+waits+")",
 				"source", source, "message_uuid", msg.UUID, "attempt", attempts, "max_attempts", rp.MaxAttempts, "err", err)
 			if !failure.Sleep(ctx, failure.Backoff(rp.Backoff, rp.MaxBackoff, attempts)) {
 				return ctx.Err()
