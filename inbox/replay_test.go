@@ -1,14 +1,12 @@
 package inbox_test
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -20,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -178,7 +177,7 @@ func TestReplayTxRequests(t *testing.T) {
 func TestRouterPoisonReplay(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	var logs syncBuffer
+	var logs testutil.SyncBuffer
 	f := newFixture(t, func(c *inbox.Config) {
 		c.ReplayInterval = 20 * time.Millisecond
 		c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
@@ -311,20 +310,3 @@ func TestRouterPoisonReplay(t *testing.T) {
 	}
 }
 
-// syncBuffer is a bytes.Buffer safe for a logger writing from several goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.b.String()
-}
