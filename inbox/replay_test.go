@@ -309,4 +309,3 @@ func TestRouterPoisonReplay(t *testing.T) {
 		t.Errorf("history: %s %v", hist, err)
 	}
 }
-
