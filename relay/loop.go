@@ -308,8 +308,9 @@ func (r *Relay) advance(c *claimed, res *result, blocked blockedSet, now time.Ti
 	case claimRetry:
 		r.blocked.retried(blocked, c.msgs, func(m *Message) bool { return deleted[m.ID] }, c.exhausted(), now)
 	}
-	// A row neither deleted nor held by a blocked chain (the batch was abandoned, its delete
-	// failed, the block list is full) must be claimed again: move the cursor back before it.
+	// A row neither acknowledged nor held by a blocked chain (the batch was abandoned, the
+	// block list is full) must be claimed again: move the cursor back before it. (A failed
+	// delete of acknowledged rows does the same later, in undeleted.)
 	for _, m := range c.msgs {
 		if !deleted[m.ID] && !r.blocked.has(m.blockKey) && m.ID-1 < r.cur.pos {
 			r.cur.pos = m.ID - 1
