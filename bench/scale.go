@@ -393,7 +393,7 @@ func benchWriteConcurrent(ctx context.Context, e *env) ([]result, error) {
 }
 
 // benchDrainGrowth: one relay runs throughout; 200,000 rows appear at once (one transaction
-// committed with the relay running), then 500,000, then 200,000 again right after, in one
+// committed with the relay running, after a checkpoint), then 1,000,000, then 200,000 again right after, in one
 // schema with autovacuum off for the outbox (the worst case: autovacuum does not run during
 // a drain, and here not between them either, so the later claims run over every row deleted
 // before). Each drain is timed from the commit to the consumer holding every event. Then the
@@ -437,6 +437,15 @@ func benchDrainGrowth(ctx context.Context, e *env) ([]result, error) {
 		if err := fillOutbox(ctx, tx, schema, topic, keys, n, benchPayloadSQL); err != nil {
 			return 0, time.Time{}, err
 		}
+		// A checkpoint before the rows commit, so every drain deletes rows written before the
+		// last checkpoint and pays the same full-page images per page (as the rows of any backlog
+		// that built up over minutes do: checkpoint_timeout is 5 min). Left to chance, the
+		// checkpoint that the fill's WAL requests lands in some drains and not others: measured,
+		// 11 MiB of WAL for a 200k drain before it, 341 MiB for the 1M drain after it (not 55),
+		// which moved the 1M ÷ 200k ratio by up to 0.1 whatever the claims cost.
+		if _, err := pool.Exec(ctx, `CHECKPOINT`); err != nil {
+			fmt.Fprintf(os.Stderr, "  drain_growth: no CHECKPOINT before the drain (%v): its figure depends on when the server checkpoints\n", err)
+		}
 		// Server-side rows do not go through the writer: wake the relay as it would.
 		if _, err := tx.Exec(ctx, `SELECT pg_notify($1, '')`, outbox.NotifyChannel(schema)); err != nil {
 			return 0, time.Time{}, err
@@ -445,10 +454,14 @@ func benchDrainGrowth(ctx context.Context, e *env) ([]result, error) {
 			return 0, time.Time{}, err
 		}
 		start := time.Now()
+		before, _ := serverWork(ctx, pool)
 		if err := rcv.waitFor(ctx, n, 10*time.Minute); err != nil {
 			return 0, time.Time{}, err
 		}
 		done := time.Now()
+		if after, err := serverWork(ctx, pool); err == nil {
+			fmt.Fprintf(os.Stderr, "  drain_growth %d rows: server during the drain: %s\n", n, after.since(before))
+		}
 		// The relay's claims during this drain: a claim whose cost grew with the backlog or
 		// with the dead rows of an earlier drain shows here, whatever else the machine does.
 		claims := tracer.between(start, done)
@@ -729,4 +742,24 @@ func roundAll(xs []float64) []int {
 		out[i] = int(x + 0.5)
 	}
 	return out
+}
+
+// serverCounters is the cluster's cumulative work: checkpoints and WAL. A checkpoint that lands
+// in one drain and not another changes its rate (the full-page images after it), whatever the
+// relay does, so drain_growth prints what happened during each drain.
+type serverCounters struct {
+	timed, requested, buffersBackend int64
+	walBytes                         float64
+}
+
+func serverWork(ctx context.Context, pool *pgxpool.Pool) (serverCounters, error) {
+	var c serverCounters
+	err := pool.QueryRow(ctx, `SELECT checkpoints_timed, checkpoints_req, buffers_backend,
+		pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 FROM pg_stat_bgwriter`).Scan(&c.timed, &c.requested, &c.buffersBackend, &c.walBytes)
+	return c, err
+}
+
+func (c serverCounters) since(b serverCounters) string {
+	return fmt.Sprintf("%d checkpoints (%d requested), %.0f MiB WAL, %d buffers written by backends",
+		c.timed+c.requested-b.timed-b.requested, c.requested-b.requested, (c.walBytes-b.walBytes)/(1<<20), c.buffersBackend-b.buffersBackend)
 }
