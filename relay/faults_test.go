@@ -185,10 +185,12 @@ func TestBrokerOutage(t *testing.T) {
 	}
 }
 
-// TestDeleteFailures: PostgreSQL refuses two deletes of acknowledged rows in every five (a
-// trigger raising, as a lost connection or a failover would). The refused rows stay in the
-// outbox and must be claimed and published again (same event ids) before any later row of
-// their key; in the end everything is delivered in per-key order and the outbox is empty.
+// TestDeleteFailures: PostgreSQL refuses three deletes of acknowledged rows in every five, in a
+// row (a trigger raising, as a lost connection or a failover would). A delete sent with a
+// prefetched claim that fails is sent again with the next claim, and then alone; when that
+// fails too, the refused rows stay in the outbox and must be claimed and published again (same
+// event ids) before any later row of their key. In the end everything is delivered in per-key
+// order and the outbox is empty.
 func TestDeleteFailures(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -198,7 +200,7 @@ func TestDeleteFailures(t *testing.T) {
 		`CREATE SEQUENCE ` + s + `.delete_calls`,
 		`CREATE FUNCTION ` + s + `.refuse_deletes() RETURNS trigger LANGUAGE plpgsql AS $$
 		BEGIN
-			IF nextval('` + s + `.delete_calls') % 5 < 2 THEN RAISE EXCEPTION 'injected: delete refused'; END IF;
+			IF nextval('` + s + `.delete_calls') % 5 < 3 THEN RAISE EXCEPTION 'injected: delete refused'; END IF;
 			RETURN NULL;
 		END $$`,
 		`CREATE TRIGGER refuse_deletes BEFORE DELETE ON ` + s + `.outbox FOR EACH STATEMENT EXECUTE FUNCTION ` + s + `.refuse_deletes()`,

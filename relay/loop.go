@@ -213,33 +213,45 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 	now := time.Now()
 	blocked := r.blocked.plan(now)
 	kind := claimNext
-	if blocked.anyDue() && !r.retriedLast {
-		kind = claimRetry
-	}
-	r.retriedLast = kind == claimRetry
-	var sql string
-	var args []any
-	if kind == claimRetry {
-		sql, args = r.q.retrySQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
-	} else {
-		sql, args = r.q.nextSQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
-	}
+	var c *claimed
+	var tClaim time.Duration // how long this step waited for its claim
 	t0 := time.Now()
-	cctx, cancelClaim := context.WithTimeout(bctx, r.cfg.StatementTimeout)
-	c, deleted, err := r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize, r.pending.ids)
-	cancelClaim()
-	tClaim := time.Since(t0)
-	if deleted {
-		r.pending = pendingDelete{}
-	}
-	if err != nil {
-		r.flushPending(ctx) // the claim failed before its delete was confirmed: delete on its own
-		if bctx.Err() != nil {
-			return stepOutcome{next: idle, retryAt: blocked.next} // lease lost or shutting down, not a database failure
+	p := r.takePrefetch()
+	prefetched := p != nil && p.usable(r.cur, snap, r.blocked)
+	if prefetched {
+		c, tClaim = p.c, time.Since(t0)
+		r.retriedLast = false
+	} else {
+		if blocked.anyDue() && !r.retriedLast {
+			kind = claimRetry
 		}
-		r.m.Failed(FailureDatabase, 1)
-		r.log.Warn("relay claim failed; retrying", "err", err)
-		return stepOutcome{next: backOff, wait: r.globalBackoff()}
+		r.retriedLast = kind == claimRetry
+		var sql string
+		var args []any
+		if kind == claimRetry {
+			sql, args = r.q.retrySQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
+		} else {
+			sql, args = r.q.nextSQL(snap, r.cfg.Shards, r.cur, blocked, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
+		}
+		t0 = time.Now()
+		cctx, cancelClaim := context.WithTimeout(bctx, r.cfg.StatementTimeout)
+		var deleted bool
+		var err error
+		c, deleted, err = r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize, r.pending.ids)
+		cancelClaim()
+		tClaim = time.Since(t0)
+		if deleted {
+			r.pending = pendingDelete{}
+		}
+		if err != nil {
+			r.flushPending(ctx) // the claim failed before its delete was confirmed: delete on its own
+			if bctx.Err() != nil {
+				return stepOutcome{next: idle, retryAt: blocked.next} // lease lost or shutting down, not a database failure
+			}
+			r.m.Failed(FailureDatabase, 1)
+			r.log.Warn("relay claim failed; retrying", "err", err)
+			return stepOutcome{next: backOff, wait: r.globalBackoff()}
+		}
 	}
 	res := &result{}
 	if len(c.msgs) > 0 {
@@ -252,12 +264,17 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 			woke := r.setAwakeAsync(ctx)
 			defer woke()
 		}
+		if kind == claimNext && !c.exhausted() && len(r.blocked.entries) == 0 && ctx.Err() == nil {
+			// More rows wait (the loop claims again at once): claim them while this batch is
+			// published.
+			r.startPrefetch(ctx, snap, c)
+		}
 		t1 := time.Now()
 		res = r.publish(bctx, c.msgs)
 		t2 := time.Now()
 		r.finish(ctx, snap, c.msgs, res)
 		if r.log.Enabled(ctx, slog.LevelDebug) {
-			r.log.Debug("relay batch", "kind", kind, "rows", len(c.msgs), "bytes", c.bytes, "acked", len(res.ackedIDs),
+			r.log.Debug("relay batch", "kind", kind, "prefetched", prefetched, "rows", len(c.msgs), "bytes", c.bytes, "acked", len(res.ackedIDs),
 				"failed", len(res.culprits)+res.transient, "claim", tClaim, "publish", t2.Sub(t1), "finish", time.Since(t2))
 		}
 	}
@@ -371,6 +388,9 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 // deletes them on their own. Until then they are acknowledged rows still in the outbox, which
 // a crash publishes again with the same event ids, as it would between ack and delete.
 //
+// A prefetched claim (prefetch.go) takes the pending delete along in the same way; if that
+// delete fails, its rows are pending again and go with the next claim.
+//
 // Only ids and chains are kept, not the messages: their payloads (up to MaxBatchBytes) must
 // not stay alive while the next batch is read.
 type pendingDelete struct {
@@ -382,6 +402,7 @@ type pendingDelete struct {
 // as not delivered: the cursor (or their blocked chain's floor) moves back so they are claimed
 // and published again (same event ids) before any later row of their key.
 func (r *Relay) flushPending(ctx context.Context) {
+	r.takePrefetch() // the loop waits: its claim would be stale, its delete is settled here
 	if len(r.pending.ids) == 0 {
 		return
 	}

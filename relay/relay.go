@@ -44,6 +44,7 @@ type Relay struct {
 	asleep      bool // marked asleep in relay_member: writers notify on commit
 	sleptAt     time.Time
 	pending     pendingDelete // acknowledged rows not deleted yet: the next claim deletes them
+	prefetched  *prefetch     // the next claim, sent while a batch is published (prefetch.go)
 	// listening is true while the listener connection is LISTENing.
 	listening atomic.Bool
 	tr        *tracing.Tracer // send spans (trace.go)
