@@ -264,9 +264,11 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 			woke := r.setAwakeAsync(ctx)
 			defer woke()
 		}
-		if kind == claimNext && !c.exhausted() && len(r.blocked.entries) == 0 && ctx.Err() == nil {
+		if kind == claimNext && !c.exhausted() && len(r.blocked.entries) == 0 && c.bytes <= r.cfg.MaxBatchBytes/2 && ctx.Err() == nil {
 			// More rows wait (the loop claims again at once): claim them while this batch is
-			// published.
+			// published, within the rest of the byte budget. A batch of large rows that took
+			// most of the budget is followed by a claim of its own, as it was before: the two
+			// batches held at once never exceed MaxBatchBytes.
 			r.startPrefetch(ctx, snap, c)
 		}
 		t1 := time.Now()

@@ -35,13 +35,15 @@ type prefetch struct {
 	err     error
 }
 
-// startPrefetch sends the claim that follows the batch c (a full cursor claim being published)
-// on a goroutine of its own, with the pending delete.
+// startPrefetch sends the claim that follows the batch c (a full cursor claim being published,
+// of at most half the byte budget) on a goroutine of its own, with the pending delete.
 func (r *Relay) startPrefetch(ctx context.Context, snap snapshot, c *claimed) {
 	from := cursor{pos: max(c.low, c.msgs[len(c.msgs)-1].ID), ref: c.snap, gen: snap.gen}
 	p := &prefetch{done: make(chan struct{}), from: from, shards: snap.shards, del: r.pending}
 	r.pending = pendingDelete{}
-	sql, args := r.q.nextSQL(snap, r.cfg.Shards, from, blockedSet{}, r.cfg.BatchSize, r.cfg.MaxBatchBytes)
+	// The two batches together stay within one byte budget: the relay's memory bound does not
+	// change (step prefetches only after a batch of at most half the budget).
+	sql, args := r.q.nextSQL(snap, r.cfg.Shards, from, blockedSet{}, r.cfg.BatchSize, r.cfg.MaxBatchBytes-c.bytes)
 	// Its own context: the batch's (cancelled when the step ends) would cancel it mid-flight.
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StatementTimeout)
 	go func() {
