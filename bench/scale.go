@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"hash/fnv"
+	"maps"
 	"os"
 	"slices"
 	"sort"
@@ -608,7 +609,9 @@ func benchLatencyLoad(ctx context.Context, e *env) ([]result, error) {
 	const rate, seconds = 2000, 20
 	const settle = rate / 4
 	stopTrace := maybeTrace("latency_load")
+	stopVacuum := sampleVacuum(ctx, sys.pool)
 	all, err := measureLatency(ctx, e, sys, "onceflow", settle+rate*seconds, rate, 50, 16)
+	fmt.Fprintf(os.Stderr, "  latency_load: %s\n", stopVacuum())
 	stopTrace()
 	if err != nil {
 		return nil, err
@@ -764,4 +767,47 @@ func serverWork(ctx context.Context, pool *pgxpool.Pool) (serverCounters, error)
 func (c serverCounters) since(b serverCounters) string {
 	return fmt.Sprintf("%d checkpoints (%d requested), %.0f MiB WAL, %d buffers written by backends",
 		c.timed+c.requested-b.timed-b.requested, c.requested-b.requested, (c.walBytes-b.walBytes)/(1<<20), c.buffersBackend-b.buffersBackend)
+}
+
+// sampleVacuum looks every 100 ms for vacuums running on the server (autovacuum or not) until
+// the returned function is called, which says in how many samples one ran, and on what: a
+// vacuum shares the machine's two cores with what a scenario measures.
+func sampleVacuum(ctx context.Context, pool *pgxpool.Pool) (stop func() string) {
+	done := make(chan struct{})
+	var samples, busy int
+	tables := map[string]bool{}
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		t := time.NewTicker(100 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+			}
+			rows, err := pool.Query(ctx, `SELECT coalesce(n.nspname || '.' || c.relname, p.relid::text) FROM pg_stat_progress_vacuum p
+				LEFT JOIN pg_class c ON c.oid = p.relid LEFT JOIN pg_namespace n ON n.oid = c.relnamespace`)
+			if err != nil {
+				continue
+			}
+			names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				continue
+			}
+			samples++
+			if len(names) > 0 {
+				busy++
+			}
+			for _, n := range names {
+				tables[n] = true
+			}
+		}
+	}()
+	return func() string {
+		close(done)
+		<-finished
+		return fmt.Sprintf("a vacuum ran in %d of %d samples (every 100 ms), on %v", busy, samples, slices.Sorted(maps.Keys(tables)))
+	}
 }
