@@ -205,42 +205,39 @@ func (q *queries) retrySQL(s snapshot, shards int, c cursor, b blockedSet, limit
 const planSettings = `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
 	set_config('max_parallel_workers_per_gather', '0', true)`
 
-// runClaim executes a claim query and decodes its header and rows. It runs in a read-only
-// transaction of its own, pipelined in one round trip, so the planner settings stay local.
-// The acknowledged rows of the last batch (del, see pendingDelete) are deleted first, in a
-// transaction of their own in the same round trip (deleteAcked's); deleted reports whether
-// that transaction committed.
+// roundTripSettings is what a claim's round trip sets for its own transaction: planSettings,
+// and a commit that does not wait for the WAL flush (it may carry a delete, see deleteAcked).
+const roundTripSettings = planSettings + `, set_config('synchronous_commit', 'off', true)`
+
+// runClaim executes a claim query and decodes its header and rows, in one round trip of three
+// statements: roundTripSettings, the delete of the last batch's acknowledged rows (del, see
+// pendingDelete) when there are any, and the claim. A pgx batch ends with a single Sync, so
+// they run as one implicit transaction: the settings last until its end and no longer (the
+// pool's connection is left as it was), and the claim's snapshot, taken after the delete in
+// the same transaction, does not see the deleted rows, as if the delete had committed before
+// it. (Each in a transaction of its own, BEGIN and COMMIT included, took eight statements.)
+// deleted reports whether the transaction, and so the delete, committed.
 func (r *Relay) runClaim(ctx context.Context, kind claimKind, sql string, args []any, limit int, del []int64) (c *claimed, deleted bool, err error) {
 	b := &pgx.Batch{}
+	b.Queue(roundTripSettings)
 	if len(del) > 0 {
-		queueDelete(b, r.q.deleteAcked, del)
+		b.Queue(r.q.deleteAcked, del)
 	}
-	b.Queue("BEGIN READ ONLY")
-	b.Queue(planSettings)
 	b.Queue(sql, args...)
-	b.Queue("COMMIT")
 	br := r.pool.SendBatch(ctx, b)
 	defer func() { _ = br.Close() }()
-	if len(del) > 0 {
-		for range 4 {
-			if _, err := br.Exec(); err != nil {
-				return nil, false, err
-			}
-		}
-		deleted = true
-	}
-	for range 2 {
+	for range b.Len() - 1 {
 		if _, err := br.Exec(); err != nil {
-			return nil, deleted, err
+			return nil, false, err
 		}
 	}
 	if c, err = scanClaim(br, kind, limit); err != nil {
-		return nil, deleted, err
+		return nil, false, err
 	}
-	if _, err := br.Exec(); err != nil {
-		return nil, deleted, err
+	if err := br.Close(); err != nil {
+		return nil, false, err // the implicit transaction did not commit: nor did the delete
 	}
-	return c, deleted, br.Close()
+	return c, len(del) > 0, nil
 }
 
 func scanClaim(br pgx.BatchResults, kind claimKind, limit int) (*claimed, error) {

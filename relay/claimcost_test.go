@@ -6,12 +6,14 @@ import (
 	"errors"
 	"hash/fnv"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/testdb"
 )
@@ -270,5 +272,133 @@ func TestByteBudget(t *testing.T) {
 	}
 	if total != 60*30_000+250_000 {
 		t.Fatalf("published %d payload bytes in batches %v, want every row", total, sink.calls)
+	}
+}
+
+// TestPrefetchSharesTheByteBudget: a claim sent while a batch is published (prefetch) takes
+// only what that batch left of MaxBatchBytes, so the two batches the relay holds at once stay
+// within one budget. Two rows per batch: two rows of 10 kB (a fifth of the budget), then rows
+// of 45 kB, two of which fit a budget of their own but not what the first batch left.
+func TestPrefetchSharesTheByteBudget(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	sink := &ackSink{}
+	const budget = 100_000
+	r, err := New(Config{Pool: db.Pool, Sink: sink, Schema: db.Schema, Logger: slog.New(slog.DiscardHandler), BatchSize: 2, MaxBatchBytes: budget})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.prepare(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.leases.tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.outbox (event_id, topic, key_hash, payload)
+		SELECT gen_random_uuid(), 't', i, convert_to(repeat('x', CASE WHEN i < 2 THEN 10000 ELSE 45000 END), 'UTF8') FROM generate_series(0, 9) i`); err != nil {
+		t.Fatal(err)
+	}
+	for steps := 0; ; steps++ {
+		if steps > 100 {
+			t.Fatal("not drained after 100 steps")
+		}
+		if out := r.step(ctx); out.rows == 0 {
+			break
+		}
+	}
+	r.flushPending(ctx)
+	total := 0
+	for i, n := range sink.calls {
+		total += n
+		if i > 0 && sink.calls[i-1] <= budget/2 && sink.calls[i-1]+n > budget {
+			t.Fatalf("batches of %d and %d payload bytes held at once, over the %d budget: %v", sink.calls[i-1], n, budget, sink.calls)
+		}
+	}
+	if total != 2*10_000+8*45_000 {
+		t.Fatalf("published %d payload bytes in batches %v, want every row", total, sink.calls)
+	}
+}
+
+// TestClaimRoundTripIsOneTransaction: a claim's round trip (settings, the pending delete, the
+// claim) runs as one transaction. The planner settings and the asynchronous commit apply to
+// the claim and end with it (the pool's connection is left as it was); the claim does not see
+// the rows deleted before it; and when the claim fails, the delete is rolled back with it.
+func TestClaimRoundTripIsOneTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	cfg := db.Pool.Config().Copy()
+	cfg.MaxConns = 1 // every statement below runs on the connection the claims used
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	r, err := New(Config{Pool: pool, Sink: &ackSink{}, Schema: db.Schema, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.prepare(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.leases.tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// A claim-shaped query whose header reports the settings it ran with.
+	settings := `SELECT true, NULL::bigint, current_setting('enable_seqscan') || '/' || current_setting('synchronous_commit'), NULL::bigint, 0::bigint,
+		0::bigint, '', '', '', 0::bigint, ''::bytea, '{}'::jsonb, 'epoch'::timestamptz, 0, 0::bigint`
+	c, _, err := r.runClaim(ctx, claimNext, settings, nil, 10, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.snap != "off/off" {
+		t.Fatalf("the claim ran with enable_seqscan/synchronous_commit %s, want off/off", c.snap)
+	}
+	var after string
+	if err := pool.QueryRow(ctx, `SELECT current_setting('enable_seqscan') || '/' || current_setting('synchronous_commit')`).Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if after != "on/on" {
+		t.Fatalf("after the claim the connection has enable_seqscan/synchronous_commit %s, want on/on", after)
+	}
+
+	var ids []int64
+	rows, err := pool.Query(ctx, `INSERT INTO `+db.Schema+`.outbox (event_id, topic, key_hash, payload)
+		SELECT gen_random_uuid(), 't', i, '\x00'::bytea FROM generate_series(0, 2) i RETURNING id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ids, err = pgx.CollectRows(rows, pgx.RowTo[int64]); err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(ids)
+	count := func() (n int) {
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Schema+`.outbox`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if _, deleted, err := r.runClaim(ctx, claimNext, `SELECT 1/0`, nil, 10, ids[:1]); err == nil || deleted {
+		t.Fatalf("a failing claim returned err %v, deleted %v; want an error and no delete", err, deleted)
+	}
+	if n := count(); n != 3 {
+		t.Fatalf("%d rows after a failed claim with a delete, want 3 (the delete rolled back)", n)
+	}
+	snap, _, done, ok := r.leases.begin(ctx)
+	if !ok {
+		t.Fatal("no shards")
+	}
+	done()
+	sql, args := r.q.nextSQL(snap, r.cfg.Shards, cursor{}, blockedSet{}, 10, r.cfg.MaxBatchBytes)
+	c, deleted, err := r.runClaim(ctx, claimNext, sql, args, 10, ids[:1])
+	if err != nil || !deleted {
+		t.Fatalf("claim with a delete: err %v, deleted %v", err, deleted)
+	}
+	if len(c.msgs) != 2 || c.msgs[0].ID != ids[1] || c.msgs[1].ID != ids[2] {
+		t.Fatalf("the claim after deleting row %d returned %d rows, want rows %v", ids[0], len(c.msgs), ids[1:])
+	}
+	if n := count(); n != 2 {
+		t.Fatalf("%d rows after the delete committed, want 2", n)
 	}
 }

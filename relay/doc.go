@@ -12,7 +12,8 @@
 // # Wake-up
 //
 // While rows keep arriving the relay claims every Config.BusyPollInterval (1ms), and a full
-// batch is followed at once by the next claim. After 25ms without rows it marks itself asleep
+// batch is followed at once by the next claim, which is sent while the batch is published and
+// used only if that batch ended well (every row acknowledged). After 25ms without rows it marks itself asleep
 // in relay_member; outbox writers then send a NOTIFY on commit, which wakes it through a LISTEN
 // on a dedicated connection, and its polls back off to Config.PollInterval (1s). Writers do not
 // notify while relays are awake: NOTIFY takes a cluster-wide lock at commit, and sending one in

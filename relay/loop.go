@@ -380,12 +380,13 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 }
 
 // pendingDelete is the acknowledged rows of the last batch, waiting for their DELETE. It is sent
-// in the next claim's round trip, before the claim's own transaction (runClaim), which saves
-// each batch a round trip to PostgreSQL: under load the relay's steps are mostly waits for
-// its answers. The order stays what the claims need: the delete commits before the next claim
-// takes its snapshot, never overlapped with it (a claim that skipped rows still being deleted
-// by an id range would also skip a row of the same key committed late inside that range
-// while taking the key's later rows, and reorder the key). When no claim comes soon (the loop
+// in the next claim's round trip, before the claim and in its transaction (runClaim), which
+// saves each batch a round trip to PostgreSQL: under load the relay's steps are mostly waits
+// for its answers. The order stays what the claims need: the claim's snapshot is taken after
+// the delete and sees it, never a delete still in progress (a claim that skipped rows still
+// being deleted by an id range would also skip a row of the same key committed late inside
+// that range while taking the key's later rows, and reorder the key). If the claim fails,
+// the delete is rolled back with it and sent again. When no claim comes soon (the loop
 // waits longer than BusyPollInterval, backs off, gives shards back or stops), flushPending
 // deletes them on their own. Until then they are acknowledged rows still in the outbox, which
 // a crash publishes again with the same event ids, as it would between ack and delete.
@@ -435,19 +436,13 @@ func (r *Relay) undeleted(p pendingDelete) {
 // deleteAcked deletes acknowledged rows in one round trip. The commit does not wait for the
 // WAL flush (synchronous_commit off for this transaction only): if the server crashes before
 // the flush, the rows come back and are published again with the same event ids, which the
-// contract allows, and every batch saves a disk flush.
+// contract allows, and every batch saves a disk flush. The two statements run as one implicit
+// transaction (a pgx batch ends with a single Sync), so the setting ends with it.
 func (r *Relay) deleteAcked(ctx context.Context, ids []int64) error {
 	b := &pgx.Batch{}
-	queueDelete(b, r.q.deleteAcked, ids)
+	b.Queue(`SELECT set_config('synchronous_commit', 'off', true)`)
+	b.Queue(r.q.deleteAcked, ids)
 	return r.pool.SendBatch(ctx, b).Close()
-}
-
-// queueDelete queues the delete of acknowledged rows (ids) as a transaction of four statements.
-func queueDelete(b *pgx.Batch, sql string, ids []int64) {
-	b.Queue("BEGIN")
-	b.Queue("SET LOCAL synchronous_commit TO OFF")
-	b.Queue(sql, ids)
-	b.Queue("COMMIT")
 }
 
 // recordFailures counts undeliverable failures in outbox.attempts and parks rows that reached the
