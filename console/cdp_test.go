@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -158,6 +159,14 @@ func (b *cdpBrowser) read(r *os.File, done chan struct{}) {
 // and decodes its result into out.
 func (b *cdpBrowser) call(method string, params any, out any) {
 	b.t.Helper()
+	if err := b.try(method, params, out); err != nil {
+		b.t.Fatalf("%s: %v", method, err)
+	}
+}
+
+// try is call, returning the browser's refusal of the command as an error.
+func (b *cdpBrowser) try(method string, params any, out any) error {
+	b.t.Helper()
 	b.mu.Lock()
 	b.nextID++
 	id := b.nextID
@@ -178,7 +187,7 @@ func (b *cdpBrowser) call(method string, params any, out any) {
 			b.t.Fatalf("%s: the browser went away\n%s", method, b.stderr.String())
 		}
 		if rep.Error != nil {
-			b.t.Fatalf("%s: %s", method, rep.Error.Message)
+			return errors.New(rep.Error.Message)
 		}
 		if out != nil {
 			if err := json.Unmarshal(rep.Result, out); err != nil {
@@ -188,6 +197,7 @@ func (b *cdpBrowser) call(method string, params any, out any) {
 	case <-time.After(30 * time.Second):
 		b.t.Fatalf("%s: no answer from the browser in 30 s\n%s", method, b.stderr.String())
 	}
+	return nil
 }
 
 // eval runs a JavaScript expression in the page (the DevTools protocol is not subject to
@@ -215,11 +225,20 @@ func (b *cdpBrowser) str(expr string) string {
 	return s
 }
 
-// waitFor polls until the page's location contains want and the document has loaded.
+// waitFor polls until the page's location contains want and the document has loaded. A poll
+// that lands while the page is being replaced is refused by the browser ("Inspected target
+// navigated or closed", or its execution context is gone): that is a page still on its way, so
+// it polls again.
 func (b *cdpBrowser) waitFor(ctx context.Context, want string) {
 	b.t.Helper()
 	for {
-		if loc := b.str(`location.href + " " + document.readyState`); strings.Contains(loc, want) && strings.HasSuffix(loc, " complete") {
+		var res struct {
+			Result struct {
+				Value string `json:"value"`
+			} `json:"result"`
+		}
+		err := b.try("Runtime.evaluate", map[string]any{"expression": `location.href + " " + document.readyState`, "returnByValue": true}, &res)
+		if loc := res.Result.Value; err == nil && strings.Contains(loc, want) && strings.HasSuffix(loc, " complete") {
 			return
 		}
 		select {
@@ -240,7 +259,18 @@ func (b *cdpBrowser) navigate(ctx context.Context, url string) {
 func (b *cdpBrowser) click(ctx context.Context, selector, leadsTo string) {
 	b.t.Helper()
 	sel, _ := json.Marshal(selector)
-	if ok := string(b.eval(fmt.Sprintf(`(() => { const e = document.querySelector(%s); if (!e) return false; e.click(); return true })()`, sel))); ok != "true" {
+	var res struct {
+		Result struct {
+			Value bool `json:"value"`
+		} `json:"result"`
+	}
+	err := b.try("Runtime.evaluate", map[string]any{"expression": fmt.Sprintf(`(() => { const e = document.querySelector(%s); if (!e) return false; e.click(); return true })()`, sel), "returnByValue": true}, &res)
+	switch {
+	case err != nil && strings.Contains(err.Error(), "navigated"):
+		// The click led away before the browser answered: it was clicked.
+	case err != nil:
+		b.t.Fatalf("click %s: %v", selector, err)
+	case !res.Result.Value:
 		b.t.Fatalf("no %s on %s:\n%s", selector, b.str("location.href"), b.str("document.body.innerText"))
 	}
 	b.waitFor(ctx, leadsTo)
