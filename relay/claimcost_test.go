@@ -240,29 +240,13 @@ func TestByteBudget(t *testing.T) {
 	ctx := context.Background()
 	db := testdb.New(t)
 	sink := &ackSink{}
-	r, err := New(Config{Pool: db.Pool, Sink: sink, Schema: db.Schema, Logger: slog.New(slog.DiscardHandler), MaxBatchBytes: 100_000})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.prepare(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.leases.tick(ctx); err != nil {
-		t.Fatal(err)
-	}
+	r := steppedRelay(t, db, Config{Sink: sink, MaxBatchBytes: 100_000})
 	// 50 rows of 30 kB, then one of 250 kB, then 10 more of 30 kB.
 	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.outbox (event_id, topic, key_hash, payload)
 		SELECT gen_random_uuid(), 't', i, convert_to(repeat('x', CASE WHEN i = 50 THEN 250000 ELSE 30000 END), 'UTF8') FROM generate_series(0, 60) i`); err != nil {
 		t.Fatal(err)
 	}
-	for steps := 0; ; steps++ {
-		if steps > 100 {
-			t.Fatal("not drained after 100 steps")
-		}
-		if out := r.step(ctx); out.rows == 0 {
-			break
-		}
-	}
+	drainSteps(t, r)
 	total := 0
 	for _, n := range sink.calls {
 		total += n
@@ -285,29 +269,12 @@ func TestPrefetchSharesTheByteBudget(t *testing.T) {
 	db := testdb.New(t)
 	sink := &ackSink{}
 	const budget = 100_000
-	r, err := New(Config{Pool: db.Pool, Sink: sink, Schema: db.Schema, Logger: slog.New(slog.DiscardHandler), BatchSize: 2, MaxBatchBytes: budget})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.prepare(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.leases.tick(ctx); err != nil {
-		t.Fatal(err)
-	}
+	r := steppedRelay(t, db, Config{Sink: sink, BatchSize: 2, MaxBatchBytes: budget})
 	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Schema+`.outbox (event_id, topic, key_hash, payload)
 		SELECT gen_random_uuid(), 't', i, convert_to(repeat('x', CASE WHEN i < 2 THEN 10000 ELSE 45000 END), 'UTF8') FROM generate_series(0, 9) i`); err != nil {
 		t.Fatal(err)
 	}
-	for steps := 0; ; steps++ {
-		if steps > 100 {
-			t.Fatal("not drained after 100 steps")
-		}
-		if out := r.step(ctx); out.rows == 0 {
-			break
-		}
-	}
-	r.flushPending(ctx)
+	drainSteps(t, r)
 	total := 0
 	for i, n := range sink.calls {
 		total += n
@@ -335,16 +302,7 @@ func TestClaimRoundTripIsOneTransaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	r, err := New(Config{Pool: pool, Sink: &ackSink{}, Schema: db.Schema, Logger: slog.New(slog.DiscardHandler)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.prepare(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.leases.tick(ctx); err != nil {
-		t.Fatal(err)
-	}
+	r := steppedRelay(t, db, Config{Pool: pool, Sink: &ackSink{}})
 	// A claim-shaped query whose header reports the settings it ran with.
 	settings := `SELECT true, NULL::bigint, current_setting('enable_seqscan') || '/' || current_setting('synchronous_commit'), NULL::bigint, 0::bigint,
 		0::bigint, '', '', '', 0::bigint, ''::bytea, '{}'::jsonb, 'epoch'::timestamptz, 0, 0::bigint`
@@ -401,4 +359,42 @@ func TestClaimRoundTripIsOneTransaction(t *testing.T) {
 	if n := count(); n != 2 {
 		t.Fatalf("%d rows after the delete committed, want 2", n)
 	}
+}
+
+// steppedRelay is a relay whose steps the test drives (r.step), holding every shard; cfg gets
+// db's schema, a silent logger, and db's pool unless it has one.
+func steppedRelay(t *testing.T, db *testdb.DB, cfg Config) *Relay {
+	t.Helper()
+	ctx := context.Background()
+	if cfg.Pool == nil {
+		cfg.Pool = db.Pool
+	}
+	cfg.Schema, cfg.Logger = db.Schema, slog.New(slog.DiscardHandler)
+	r, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.prepare(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.leases.tick(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+// drainSteps runs steps until one claims nothing (failing after 100), then deletes what is
+// still pending.
+func drainSteps(t *testing.T, r *Relay) {
+	t.Helper()
+	ctx := context.Background()
+	for steps := 0; ; steps++ {
+		if steps > 100 {
+			t.Fatal("not drained after 100 steps")
+		}
+		if out := r.step(ctx); out.rows == 0 {
+			break
+		}
+	}
+	r.flushPending(ctx)
 }
