@@ -205,9 +205,13 @@ func (q *queries) retrySQL(s snapshot, shards int, c cursor, b blockedSet, limit
 const planSettings = `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
 	set_config('max_parallel_workers_per_gather', '0', true)`
 
+// asyncCommit makes the transaction's commit not wait for the WAL flush, for transactions
+// that delete acknowledged rows (see deleteAcked for why that is safe).
+const asyncCommit = `set_config('synchronous_commit', 'off', true)`
+
 // roundTripSettings is what a claim's round trip sets for its own transaction: planSettings,
-// and a commit that does not wait for the WAL flush (it may carry a delete, see deleteAcked).
-const roundTripSettings = planSettings + `, set_config('synchronous_commit', 'off', true)`
+// and asyncCommit (it may carry a delete).
+const roundTripSettings = planSettings + `, ` + asyncCommit
 
 // runClaim executes a claim query and decodes its header and rows, in one round trip of three
 // statements: roundTripSettings, the delete of the last batch's acknowledged rows (del, see

@@ -440,7 +440,7 @@ func (r *Relay) undeleted(p pendingDelete) {
 // transaction (a pgx batch ends with a single Sync), so the setting ends with it.
 func (r *Relay) deleteAcked(ctx context.Context, ids []int64) error {
 	b := &pgx.Batch{}
-	b.Queue(`SELECT set_config('synchronous_commit', 'off', true)`)
+	b.Queue(`SELECT ` + asyncCommit)
 	b.Queue(r.q.deleteAcked, ids)
 	return r.pool.SendBatch(ctx, b).Close()
 }

@@ -11,8 +11,9 @@ import (
 //
 // It is a guess that the batch in flight ends the usual way: every row acknowledged, so the
 // cursor moves to its last row and no chain gets blocked. The loop uses the prefetched rows only
-// when that is what happened (usable), and otherwise drops them and claims again: a claim
-// takes no locks and changes nothing, so a dropped one cost a read. What can differ, and why
+// when that is what happened (usable), and otherwise drops them and claims again: the claim
+// itself takes no locks and changes nothing, so a dropped one cost a read (the delete it
+// carried is settled either way, see takePrefetch). What can differ, and why
 // each one voids the guess:
 //   - the cursor: a row was abandoned (lease lost, shutdown) or the block list was full, so
 //     the cursor moved back before it; or the shards changed, which resets it;
