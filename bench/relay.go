@@ -515,12 +515,15 @@ func measureStall(ctx context.Context, e *env, sys relaySystem, name string, tri
 // maybeProfile writes a CPU profile of the bench process for the named phase when
 // BENCH_CPUPROFILE names a folder (e.g. BENCH_CPUPROFILE=/tmp/prof make bench), to see where
 // the time goes: go tool pprof -top /tmp/prof/drain-onceflow.pprof. A relative folder is taken
-// from bench/, where `make bench` runs the program.
+// from bench/, where `make bench` runs the program. It also writes the allocation profile at
+// the phase's start and end, for what the phase allocated (the garbage collector's work):
+// go tool pprof -sample_index=alloc_space -top -base NAME.allocs-start NAME.allocs.
 func maybeProfile(name string) func() {
 	dir := os.Getenv("BENCH_CPUPROFILE")
 	if dir == "" {
 		return func() {}
 	}
+	writeAllocs(filepath.Join(dir, name+".allocs-start"))
 	f, err := os.Create(filepath.Join(dir, name+".pprof"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "cpu profile:", err)
@@ -536,6 +539,19 @@ func maybeProfile(name string) func() {
 		if err := f.Close(); err != nil {
 			fmt.Fprintln(os.Stderr, "cpu profile:", err)
 		}
+		writeAllocs(filepath.Join(dir, name+".allocs"))
+	}
+}
+
+func writeAllocs(path string) {
+	f, err := os.Create(path)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "allocation profile:", err)
+		return
+	}
+	defer func() { _ = f.Close() }()
+	if err := pprof.Lookup("allocs").WriteTo(f, 0); err != nil {
+		fmt.Fprintln(os.Stderr, "allocation profile:", err)
 	}
 }
 

@@ -608,10 +608,11 @@ func benchLatencyLoad(ctx context.Context, e *env) ([]result, error) {
 	defer sys.close()
 	const rate, seconds = 2000, 20
 	const settle = rate / 4
-	stopTrace := maybeTrace("latency_load")
+	stopTrace, stopProfile := maybeTrace("latency_load"), maybeProfile("latency_load")
 	stopVacuum := sampleVacuum(ctx, sys.pool)
 	all, err := measureLatency(ctx, e, sys, "onceflow", settle+rate*seconds, rate, 50, 16)
 	fmt.Fprintf(os.Stderr, "  latency_load: %s\n", stopVacuum())
+	stopProfile()
 	stopTrace()
 	if err != nil {
 		return nil, err
