@@ -609,9 +609,13 @@ func benchLatencyLoad(ctx context.Context, e *env) ([]result, error) {
 	const rate, seconds = 2000, 20
 	const settle = rate / 4
 	stopTrace, stopProfile := maybeTrace("latency_load"), maybeProfile("latency_load")
-	stopVacuum := sampleVacuum(ctx, sys.pool)
+	stopBackground := sampleBackground(ctx, sys.pool)
+	work, _ := serverWork(ctx, sys.pool)
 	all, err := measureLatency(ctx, e, sys, "onceflow", settle+rate*seconds, rate, 50, 16)
-	fmt.Fprintf(os.Stderr, "  latency_load: %s\n", stopVacuum())
+	fmt.Fprintf(os.Stderr, "  latency_load: %s\n", stopBackground())
+	if after, werr := serverWork(ctx, sys.pool); werr == nil {
+		fmt.Fprintf(os.Stderr, "  latency_load: the server did %s\n", after.since(work))
+	}
 	stopProfile()
 	stopTrace()
 	if err != nil {
@@ -770,12 +774,13 @@ func (c serverCounters) since(b serverCounters) string {
 		c.timed+c.requested-b.timed-b.requested, c.requested-b.requested, (c.walBytes-b.walBytes)/(1<<20), c.buffersBackend-b.buffersBackend)
 }
 
-// sampleVacuum looks every 100 ms for vacuums running on the server (autovacuum or not) until
-// the returned function is called, which says in how many samples one ran, and on what: a
-// vacuum shares the machine's two cores with what a scenario measures.
-func sampleVacuum(ctx context.Context, pool *pgxpool.Pool) (stop func() string) {
+// sampleBackground looks every 100 ms for vacuums running on the server (autovacuum or not)
+// and for a checkpoint being written, until the returned function is called, which says in
+// how many samples each was seen (and which tables were vacuumed): both share the machine's two
+// cores and its disk with what a scenario measures.
+func sampleBackground(ctx context.Context, pool *pgxpool.Pool) (stop func() string) {
 	done := make(chan struct{})
-	var samples, busy int
+	var samples, vacuuming, checkpointing int
 	tables := map[string]bool{}
 	finished := make(chan struct{})
 	go func() {
@@ -797,9 +802,19 @@ func sampleVacuum(ctx context.Context, pool *pgxpool.Pool) (stop func() string) 
 			if err != nil {
 				continue
 			}
+			// The checkpointer waits on CheckpointerMain between checkpoints; any other wait
+			// (CheckpointWriteDelay, DataFileSync, …) or none is a checkpoint in progress.
+			var idle bool
+			if err := pool.QueryRow(ctx, `SELECT coalesce(bool_or(wait_event = 'CheckpointerMain'), true) FROM pg_stat_activity
+				WHERE backend_type = 'checkpointer'`).Scan(&idle); err != nil {
+				continue
+			}
 			samples++
 			if len(names) > 0 {
-				busy++
+				vacuuming++
+			}
+			if !idle {
+				checkpointing++
 			}
 			for _, n := range names {
 				tables[n] = true
@@ -809,6 +824,7 @@ func sampleVacuum(ctx context.Context, pool *pgxpool.Pool) (stop func() string) 
 	return func() string {
 		close(done)
 		<-finished
-		return fmt.Sprintf("a vacuum ran in %d of %d samples (every 100 ms), on %v", busy, samples, slices.Sorted(maps.Keys(tables)))
+		return fmt.Sprintf("a vacuum ran in %d of %d samples (every 100 ms), on %v; a checkpoint was being written in %d",
+			vacuuming, samples, slices.Sorted(maps.Keys(tables)), checkpointing)
 	}
 }
