@@ -169,6 +169,7 @@ func run(ctx context.Context, only string) error {
 		fmt.Fprintf(os.Stderr, "  %s took %s\n", s.name, time.Since(t0).Round(100*time.Millisecond))
 		if os.Getenv("BENCH_KEEP") == "" {
 			e.dropSchemas(ctx)
+			e.checkpoint(ctx)
 		}
 		all = append(all, rs...)
 	}
@@ -226,6 +227,26 @@ func formatValue(v float64) string {
 		return fmt.Sprintf("%.1f", v)
 	default:
 		return fmt.Sprintf("%.2f", v)
+	}
+}
+
+// checkpoint writes what the last scenario left dirty in shared_buffers, so each scenario
+// pays for its own writes (drain_growth's checkpoints included) and not for an earlier one's,
+// as dropSchemas keeps it from paying for their vacuums. Left to the server, the checkpoint
+// that the relay scenarios' WAL requests is spread over the next minutes: in the 11:53 full
+// run of docs/PERFORMANCE.md it was being written in every sample of latency_load, whose
+// backends also had to write 483 buffers of that data themselves (evicting a dirty page means
+// writing it first); with this checkpoint, none and 0. The p99 difference this made was within
+// the machine's noise in two pairs (7.61 and 6.93 ms without, 4.25 and 8.56 ms with).
+func (e *env) checkpoint(ctx context.Context) {
+	conn, err := pgx.Connect(ctx, e.pgURL)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench: checkpoint:", err)
+		return
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	if _, err := conn.Exec(ctx, "CHECKPOINT"); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: checkpoint:", err)
 	}
 }
 
