@@ -803,9 +803,10 @@ func sampleBackground(ctx context.Context, pool *pgxpool.Pool) (stop func() stri
 				continue
 			}
 			// The checkpointer waits on CheckpointerMain between checkpoints; any other wait
-			// (CheckpointWriteDelay, DataFileSync, …) or none is a checkpoint in progress.
+			// (CheckpointWriteDelay, DataFileSync, …) or none (running) is a checkpoint in
+			// progress. (Its wait event shows to superusers and pg_read_all_stats only.)
 			var idle bool
-			if err := pool.QueryRow(ctx, `SELECT coalesce(bool_or(wait_event = 'CheckpointerMain'), true) FROM pg_stat_activity
+			if err := pool.QueryRow(ctx, `SELECT coalesce(bool_and(wait_event IS NOT DISTINCT FROM 'CheckpointerMain'), true) FROM pg_stat_activity
 				WHERE backend_type = 'checkpointer'`).Scan(&idle); err != nil {
 				continue
 			}
