@@ -51,7 +51,7 @@ type env struct {
 	kafka   *embedded.Kafka
 	log     *slog.Logger
 	n       int // schema counter
-	// schemas created by freshSchema since the last dropSchemas.
+	// schemas created by freshSchema since the last cleanUp.
 	schemas []string
 }
 
@@ -168,8 +168,7 @@ func run(ctx context.Context, only string) error {
 		}
 		fmt.Fprintf(os.Stderr, "  %s took %s\n", s.name, time.Since(t0).Round(100*time.Millisecond))
 		if os.Getenv("BENCH_KEEP") == "" {
-			e.dropSchemas(ctx)
-			e.checkpoint(ctx)
+			e.cleanUp(ctx)
 		}
 		all = append(all, rs...)
 	}
@@ -230,39 +229,27 @@ func formatValue(v float64) string {
 	}
 }
 
-// checkpoint writes what the last scenario left dirty in shared_buffers, so each scenario
-// pays for its own writes (drain_growth's checkpoints included) and not for an earlier one's,
-// as dropSchemas keeps it from paying for their vacuums. Left to the server, the checkpoint
-// that the relay scenarios' WAL requests is spread over the next minutes: in the 11:53 full
-// run of docs/PERFORMANCE.md it was being written in every sample of latency_load, whose
-// backends also had to write 483 buffers of that data themselves (evicting a dirty page means
-// writing it first); with this checkpoint, none and 0. The p99 difference this made was within
-// the machine's noise in two pairs (7.61 and 6.93 ms without, 4.25 and 8.56 ms with).
-func (e *env) checkpoint(ctx context.Context) {
+// cleanUp runs after each scenario, on one connection, so that no scenario pays for an
+// earlier one's leftovers. BENCH_KEEP=1 skips it (to inspect the schemas after a run).
+//
+// It drops the schemas the scenario created. Left in place, their dead rows (a drained
+// million-row outbox, the held-snapshot scenarios' hundreds of thousands) keep autovacuum busy
+// during the scenarios after them, on the same two cores. Measured with the relay scenarios
+// before latency_load (-only=drain_growth,…,relay_rss,latency_load): kept, a vacuum of their
+// outboxes ran in 80 of latency_load's 203 samples and its p99 was 15.3 ms; dropped, none ran
+// and it was 5.4 ms.
+//
+// Then it runs CHECKPOINT, which writes what the scenario left dirty in shared_buffers. Left to
+// the server, the checkpoint that the relay scenarios' WAL requests is spread over the next
+// minutes: in the 11:53 full run of docs/PERFORMANCE.md (issue 24's fifth session) it was being
+// written in every sample of latency_load, whose backends also wrote 483 buffers of that data
+// themselves (evicting a dirty page means writing it first), and drain_growth's first drain
+// paid for the pages `drain` left, which raised its ratios. With the checkpoint: none and 0.
+// (latency_load's p99 difference was within the machine's noise in two pairs.)
+func (e *env) cleanUp(ctx context.Context) {
 	conn, err := pgx.Connect(ctx, e.pgURL)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "bench: checkpoint:", err)
-		return
-	}
-	defer func() { _ = conn.Close(ctx) }()
-	if _, err := conn.Exec(ctx, "CHECKPOINT"); err != nil {
-		fmt.Fprintln(os.Stderr, "bench: checkpoint:", err)
-	}
-}
-
-// dropSchemas drops the schemas the last scenario created. Left in place, their dead rows (a
-// drained million-row outbox, the held-snapshot scenarios' hundreds of thousands) keep
-// autovacuum busy during the scenarios after them, on the same two cores. Measured with the
-// relay scenarios before latency_load (-only=drain_growth,…,relay_rss,latency_load): kept, a
-// vacuum of their outboxes ran in 80 of latency_load's 203 samples and its p99 was 15.3 ms;
-// dropped, none ran and it was 5.4 ms. BENCH_KEEP=1 keeps them (to inspect after a run).
-func (e *env) dropSchemas(ctx context.Context) {
-	if len(e.schemas) == 0 {
-		return
-	}
-	conn, err := pgx.Connect(ctx, e.pgURL)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "bench: drop schemas:", err)
+		fmt.Fprintln(os.Stderr, "bench: clean up after the scenario:", err)
 		return
 	}
 	defer func() { _ = conn.Close(ctx) }()
@@ -272,4 +259,7 @@ func (e *env) dropSchemas(ctx context.Context) {
 		}
 	}
 	e.schemas = nil
+	if _, err := conn.Exec(ctx, "CHECKPOINT"); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: checkpoint:", err)
+	}
 }
