@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
-	engine "github.com/onceflow/onceflow/internal/retention"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/retention"
 )
 
@@ -53,7 +53,7 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool that holds the idempotency_record table"))
 	}
-	problems = append(problems, engine.CleanerFields{Schema: &cfg.Schema, BatchSize: &cfg.BatchSize, Schedule: &cfg.Schedule, Logger: &cfg.Logger}.Defaults()...)
+	problems = append(problems, cleaning.CleanerFields{Schema: &cfg.Schema, BatchSize: &cfg.BatchSize, Schedule: &cfg.Schedule, Logger: &cfg.Logger}.Defaults()...)
 	if err := config.Check("idempotency cleaner", problems...); err != nil {
 		return nil, err
 	}
@@ -71,7 +71,7 @@ func (c *Cleaner) Config() CleanerConfig { return c.cfg }
 // rows per statement, and returns how many it deleted. Each statement commits on its own; on
 // error (or when ctx ends between batches) it returns the count deleted before it.
 func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
-	n, err := engine.DeleteInBatches(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize)
+	n, err := cleaning.DeleteInBatches(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize)
 	if err != nil {
 		return n, fmt.Errorf("idempotency: clean %s.idempotency_record (deleted %d rows before the error): %w", c.cfg.Schema, n, err)
 	}
@@ -82,5 +82,5 @@ func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
 // run, and returns ctx's error. A failed run is logged and retried at the next scheduled
 // time. Start it in a goroutine of a long-running process: go cleaner.Run(ctx).
 func (c *Cleaner) Run(ctx context.Context) error {
-	return engine.Run(ctx, c.cfg.Schedule, c.cfg.Logger.With("table", "idempotency_record"), c.Clean)
+	return cleaning.Run(ctx, c.cfg.Schedule, c.cfg.Logger.With("table", "idempotency_record"), c.Clean)
 }

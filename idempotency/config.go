@@ -16,7 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
-	engine "github.com/onceflow/onceflow/internal/retention"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 )
 
 // Defaults of Config.
@@ -218,7 +218,7 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Window == 0 {
 		c.Window = DefaultWindow
 	}
-	if err := engine.CheckWindow("Window", c.Window, c.AllowShortWindow, "AllowShortWindow"); err != nil {
+	if err := cleaning.CheckWindow("Window", c.Window, c.AllowShortWindow, "AllowShortWindow"); err != nil {
 		problems = append(problems, err)
 	}
 	if c.MaxBodyBytes < 0 {

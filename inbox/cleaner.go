@@ -8,11 +8,12 @@ import (
 	"time"
 
 	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/engine"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
-	engine "github.com/onceflow/onceflow/internal/retention"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/retention"
 )
 
@@ -64,10 +65,10 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool that holds the processed_event table"))
 	}
-	problems = append(problems, engine.CleanerFields{Schema: &cfg.Schema, BatchSize: &cfg.BatchSize, Schedule: &cfg.Schedule, Logger: &cfg.Logger,
+	problems = append(problems, cleaning.CleanerFields{Schema: &cfg.Schema, BatchSize: &cfg.BatchSize, Schedule: &cfg.Schedule, Logger: &cfg.Logger,
 		Window: &cfg.Window, DefaultWindow: DefaultWindow, AllowShortWindow: cfg.AllowShortWindow}.Defaults()...)
 	if cfg.Consumer != "" {
-		if err := validateConsumer(cfg.Consumer); err != nil {
+		if err := engine.CheckConsumer(cfg.Consumer); err != nil {
 			problems = append(problems, err)
 		}
 	}
@@ -105,7 +106,7 @@ func (c *Cleaner) Config() CleanerConfig { return c.cfg }
 // statement, and returns how many it deleted. Each statement commits on its own; when ctx
 // ends between batches Clean stops and returns what it deleted so far with ctx's error.
 func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
-	n, err := engine.DeleteInOrder(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize, c.args...)
+	n, err := cleaning.DeleteInOrder(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize, c.args...)
 	if err != nil {
 		return n, fmt.Errorf("inbox: clean %s.processed_event (deleted %d rows before the error): %w", c.cfg.Schema, n, err)
 	}
@@ -116,5 +117,5 @@ func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
 // run, and returns ctx's error. A failed run is logged and retried at the next scheduled
 // time. Start it in a goroutine of a long-running process: go cleaner.Run(ctx).
 func (c *Cleaner) Run(ctx context.Context) error {
-	return engine.Run(ctx, c.cfg.Schedule, c.cfg.Logger.With("table", "processed_event"), c.Clean)
+	return cleaning.Run(ctx, c.cfg.Schedule, c.cfg.Logger.With("table", "processed_event"), c.Clean)
 }

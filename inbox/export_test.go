@@ -1,7 +1,7 @@
 package inbox
 
-// WaitingForConn is the number of messages waiting for a connection slot of the inbox's pool.
-func WaitingForConn(ib *Inbox) int { return int(ib.slots.waiting.Load()) }
+// WaitingForConn is the number of transactions waiting for a connection slot of the inbox's pool.
+func WaitingForConn(ib *Inbox) int { return ib.run.WaitingForSlot() }
 
-// SeenManySQL is the statement SeenManyTx runs.
-func SeenManySQL(ib *Inbox) string { return ib.seenManySQL }
+
+

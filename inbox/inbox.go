@@ -40,15 +40,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
-	"unicode/utf8"
-	"weak"
 
 	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/engine"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/ThreeDotsLabs/watermill/message/router/middleware"
@@ -63,14 +60,11 @@ import (
 )
 
 // MaxConsumerBytes bounds Config.Consumer, which is stored in every dedup row.
-const MaxConsumerBytes = 200
+const MaxConsumerBytes = engine.MaxConsumerBytes
 
-// rollbackTimeout bounds a rollback. It runs on a context detached from the message's, so a
-// cancelled or timed-out message still releases its connection cleanly.
-const rollbackTimeout = 10 * time.Second
-
-// DefaultCommitTimeout is the default Config.CommitTimeout.
-const DefaultCommitTimeout = 30 * time.Second
+// DefaultCommitTimeout is the default Config.CommitTimeout, and that of every onceflow
+// consumer (the saga orchestrator's and participants' too).
+const DefaultCommitTimeout = engine.DefaultCommitTimeout
 
 // Config configures an Inbox. Pool and Consumer are required; every other field has a default.
 type Config struct {
@@ -132,13 +126,13 @@ const DefaultReplayInterval = 5 * time.Second
 // Inbox is the deduplicating middleware of one consumer. It is safe for concurrent use; the
 // router runs it for many messages at once.
 type Inbox struct {
-	cfg                                Config
-	slots                              *connSlots // of cfg.Pool, shared with other Inboxes on it
-	claimOneSQL, claimManySQL, seenSQL string
-	seenManySQL, poisonSQL             string
-	errManaged                         error // what Commit and Rollback on the handler's view return
-	tr                                 *tracing.Tracer
-	replaySQL                          replaySQL
+	cfg Config
+	// run runs the transactions (internal/engine): the pool's connection slots, shared with
+	// every consumer on it, the dedup statements, the commit timeout.
+	run        *engine.Runner
+	errManaged error // what Commit and Rollback on the handler's view return
+	tr         *tracing.Tracer
+	replaySQL  replaySQL
 	// routerReplays: RouterPlugin was installed, so the Poison middleware's rows get replayed.
 	routerReplays  atomic.Bool
 	warnNoReplayer sync.Once
@@ -150,22 +144,11 @@ func New(cfg Config) (*Inbox, error) {
 		cfg.Schema = pgsql.DefaultSchema
 	}
 	var problems []error
-	var maxConns int32
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool of the database holding processed_event"))
-	} else if maxConns = cfg.Pool.Config().MaxConns; maxConns < 2 {
-		problems = append(problems, fmt.Errorf("Pool's MaxConns is %d; the inbox holds one connection per message in flight and keeps one free "+
-			"for handlers that use the pool themselves (else they could wait for a connection forever): set pool_max_conns (or MaxConns) to at least 2", maxConns))
 	}
-	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
-		problems = append(problems, err)
-	}
-	if err := validateConsumer(cfg.Consumer); err != nil {
-		problems = append(problems, err)
-	}
-	if cfg.CommitTimeout < 0 {
-		problems = append(problems, fmt.Errorf("CommitTimeout is %s; use 0 for the default (%s) or a positive bound", cfg.CommitTimeout, DefaultCommitTimeout))
-	} else if cfg.CommitTimeout == 0 {
+	problems = append(problems, engine.Check(cfg.Pool, cfg.Schema, cfg.Consumer, cfg.CommitTimeout)...)
+	if cfg.CommitTimeout == 0 {
 		cfg.CommitTimeout = DefaultCommitTimeout
 	}
 	if cfg.ReplayInterval < 0 {
@@ -195,42 +178,17 @@ func New(cfg Config) (*Inbox, error) {
 	if cfg.Metrics == nil {
 		cfg.Metrics = NopMetrics{}
 	}
+	run := engine.New(engine.Config{Pool: cfg.Pool, Schema: cfg.Schema, Consumer: cfg.Consumer,
+		What: fmt.Sprintf("inbox: consumer %q", cfg.Consumer), CommitTimeout: cfg.CommitTimeout, Logger: cfg.Logger})
 	cfg.Logger = cfg.Logger.With("consumer", cfg.Consumer)
-	table := pgsql.Table(cfg.Schema, "processed_event")
 	return &Inbox{
-		cfg:   cfg,
-		slots: slotsOf(cfg.Pool, maxConns),
-		// ON CONFLICT DO NOTHING rather than catching a unique violation: an error would abort
-		// the transaction, and a concurrent delivery of the same key waits here on the first
-		// one's uncommitted row, then sees it (0 rows: skip) or inserts if the first rolled back.
-		claimOneSQL:  `INSERT INTO ` + table + ` (consumer, dedup_key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
-		claimManySQL: `INSERT INTO ` + table + ` (consumer, dedup_key) SELECT $1, k FROM unnest($2::text[]) AS u(k) ON CONFLICT DO NOTHING RETURNING dedup_key`,
-		seenSQL:      `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND dedup_key = $2)`,
-		// One index probe per key, whatever the table's statistics: `dedup_key = ANY($2)` lets
-		// a generic plan made while the table was small (pgx prepares each statement once per
-		// connection) scan every row of the consumer for each lookup, until the next ANALYZE.
-		seenManySQL: `SELECT u.k FROM unnest($2::text[]) AS u(k) CROSS JOIN LATERAL (SELECT 1 FROM ` + table +
-			` WHERE consumer = $1 AND dedup_key = u.k LIMIT 1) AS hit`,
-		poisonSQL: `INSERT INTO ` + pgsql.Table(cfg.Schema, "inbox_poison") +
-			` (consumer, dedup_key, message_uuid, source, metadata, payload, attempts, error, handler, publish_topic, replay_refusal)` +
-			` VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)`,
+		cfg: cfg,
+		run: run,
 		errManaged: fmt.Errorf("%w (inbox consumer %q: it commits after writing the handler's returned messages; to abort, return an error from the handler)",
 			outbox.ErrTxManaged, cfg.Consumer),
 		tr:        tracing.New(cfg.TracerProvider, cfg.Propagator),
 		replaySQL: newReplaySQL(cfg.Schema),
 	}, nil
-}
-
-func validateConsumer(c string) error {
-	switch {
-	case c == "":
-		return errors.New(`Consumer is empty; name the consumer (e.g. "billing"): it is part of every dedup key and must stay stable`)
-	case len(c) > MaxConsumerBytes:
-		return fmt.Errorf("Consumer is %d bytes; use at most %d", len(c), MaxConsumerBytes)
-	case !utf8.ValidString(c) || strings.IndexByte(c, 0) >= 0:
-		return fmt.Errorf("Consumer %q is not valid UTF-8 text without NUL bytes", c)
-	}
-	return nil
 }
 
 // Config returns the configuration with defaults filled in.
@@ -244,19 +202,21 @@ func (ib *Inbox) Middleware(h message.HandlerFunc) message.HandlerFunc {
 	}
 }
 
-// handle is the batch engine (processBatch) with a batch of one: the message's dedup row,
-// the handler's writes and the messages it returns commit in one transaction. The handler's
-// own error is returned unwrapped, so errors.Is/As and poison-queue reasons see it, and its
-// panic keeps unwinding (after the rollback) to Recoverer or the router.
+// handle is the engine's transaction with a batch of one: the message's dedup row, the
+// handler's writes and the messages it returns commit together. The handler's own error is
+// returned unwrapped, so errors.Is/As and poison-queue reasons see it, and its panic keeps
+// unwinding (after the rollback) to Recoverer or the router. Whose each attempt's failure was
+// goes to the Poison middleware outside (attempts).
 func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) ([]*message.Message, error) {
-	if n, ok := msg.Context().Value(attemptsKey{}).(*atomic.Int32); ok {
-		n.Add(1) // an attempt, for the Poison middleware's record
+	pass, _ := msg.Context().Value(attemptsKey{}).(*attempts)
+	err := ib.processBatch(msg.Context(), []*message.Message{msg}, message.PublishTopicFromCtx(msg.Context()), h, nil)
+	me := (*MessageError)(nil)
+	messages := errors.As(err, &me)
+	pass.record(err != nil && !messages)
+	if pe := (*engine.PanicError)(nil); errors.As(err, &pe) {
+		panic(pe.Value) // rolled back already; keeps unwinding to Recoverer or the router
 	}
-	err := ib.processBatch(msg.Context(), []*message.Message{msg}, message.PublishTopicFromCtx(msg.Context()), h, nil, nil)
-	if pe := (*panicError)(nil); errors.As(err, &pe) {
-		panic(pe.v) // rolled back already; keeps unwinding to Recoverer or the router
-	}
-	if me := (*MessageError)(nil); errors.As(err, &me) {
+	if messages {
 		return nil, me.Err
 	}
 	// Nothing goes back to the router: the produced messages are in the outbox.
@@ -274,25 +234,6 @@ func (ib *Inbox) key(msg *message.Message) (string, error) {
 	return checkKey(key)
 }
 
-func (ib *Inbox) rollback(ctx context.Context, tx pgx.Tx, msg *message.Message) {
-	// Always call Rollback, even on a broken connection: it also returns the connection to
-	// the pool.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rollbackTimeout)
-	defer cancel()
-	closed := tx.Conn() != nil && tx.Conn().IsClosed()
-	// pgx closes the connection when a query's context is cancelled (Timeout middleware); the
-	// server aborted the transaction with it, so a failed rollback there is expected.
-	if err := tx.Rollback(ctx); err != nil && !errors.Is(err, pgx.ErrTxClosed) && !closed {
-		// The server aborts the transaction when the connection closes, so nothing is kept.
-		uuid := "" // nil for a batch
-		if msg != nil {
-			uuid = msg.UUID
-		}
-		ib.cfg.Logger.Warn("inbox: rollback failed; the connection is discarded and the server aborts the transaction",
-			"message_uuid", uuid, "err", err)
-	}
-}
-
 // ErrNoTopic is returned when a handler returns a message the inbox cannot address: the
 // handler was registered without a publish topic and the message was not given one with
 // outbox.ToTopic.
@@ -305,8 +246,7 @@ var ErrNoTopic = errors.New("the handler returned a message but no topic is know
 // returned message without a topic (ErrNoTopic) or one the outbox refuses
 // (*outbox.ValidationError).
 func IsPoison(err error) bool {
-	var ve *outbox.ValidationError
-	return errors.Is(err, ErrNoKey) || errors.Is(err, ErrNoTopic) || errors.As(err, &ve)
+	return errors.Is(err, ErrNoTopic) || engine.Unfixable(err)
 }
 
 // ShouldRetry is a middleware.Retry ShouldRetry function that stops retrying poison messages
@@ -355,56 +295,3 @@ func (OutboxOnly) Publish(string, ...*message.Message) error { return ErrRouterP
 
 // Close implements message.Publisher.
 func (OutboxOnly) Close() error { return nil }
-
-// connSlots bounds the messages that hold a connection of one pool for their transaction, to
-// the pool's MaxConns − 1, across every Inbox on that pool. The connection left over is what
-// makes a handler that takes one more connection from the same pool safe: without it, a full
-// set of messages in flight would each hold a connection and wait for another, forever.
-type connSlots struct {
-	ch      chan struct{}
-	waiting atomic.Int64 // messages waiting for a slot, for tests
-}
-
-// acquire takes a slot, waiting while every slot is taken, until ctx ends.
-func (s *connSlots) acquire(ctx context.Context) error {
-	select {
-	case s.ch <- struct{}{}:
-		return nil
-	default:
-	}
-	s.waiting.Add(1)
-	defer s.waiting.Add(-1)
-	select {
-	case s.ch <- struct{}{}:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-}
-
-func (s *connSlots) release() { <-s.ch }
-
-// poolSlots holds the slots of each pool an Inbox was built on. The pools are held weakly:
-// a pool that is no longer referenced takes its entry with it.
-var poolSlots = struct {
-	sync.Mutex
-	m map[weak.Pointer[pgxpool.Pool]]*connSlots
-}{m: map[weak.Pointer[pgxpool.Pool]]*connSlots{}}
-
-// slotsOf returns the slots shared by every Inbox on pool, for a pool of maxConns ≥ 2.
-func slotsOf(pool *pgxpool.Pool, maxConns int32) *connSlots {
-	key := weak.Make(pool)
-	poolSlots.Lock()
-	defer poolSlots.Unlock()
-	if s := poolSlots.m[key]; s != nil {
-		return s
-	}
-	s := &connSlots{ch: make(chan struct{}, maxConns-1)}
-	poolSlots.m[key] = s
-	runtime.AddCleanup(pool, func(key weak.Pointer[pgxpool.Pool]) {
-		poolSlots.Lock()
-		delete(poolSlots.m, key)
-		poolSlots.Unlock()
-	}, key)
-	return s
-}

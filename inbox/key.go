@@ -1,28 +1,26 @@
 package inbox
 
 import (
-	"errors"
 	"fmt"
 	"strconv"
-	"strings"
-	"unicode/utf8"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/outbox"
 )
 
 // MaxKeyBytes bounds a dedup key. The key is part of processed_event's primary key, and a
 // B-tree entry must fit in a third of a page; a longer key is refused rather than truncated,
 // because truncation could make two different messages look like duplicates.
-const MaxKeyBytes = 1024
+const MaxKeyBytes = engine.MaxKeyBytes
 
 // ErrNoKey is wrapped by the error returned for a message that has no usable dedup key (no
 // UUID, incomplete saga metadata, or a KeyFunc error). Such a message is never processed
 // without deduplication; Config.NoKeyPolicy decides whether it is returned as an error (the
 // default, so a poison-queue middleware can take it) or acknowledged and dropped.
 // Retrying it cannot help: exclude it in middleware.Retry's ShouldRetry with errors.Is.
-var ErrNoKey = errors.New("message has no usable dedup key")
+var ErrNoKey = engine.ErrNoKey
 
 // KeyFunc returns the dedup key of a message. Two deliveries with the same key (for the same
 // consumer) are one message: the handler runs for the first and the others are skipped.
@@ -75,20 +73,9 @@ func SagaKey(ref outbox.SagaRef) (string, error) {
 	return checkKey("saga:" + strconv.Quote(ref.ID) + ":" + strconv.Quote(ref.Step) + ":" + string(ref.Phase) + ":" + strconv.Itoa(ref.Attempt))
 }
 
-// checkKey refuses keys PostgreSQL cannot store or index: NUL bytes, invalid UTF-8, too long.
-func checkKey(key string) (string, error) {
-	switch {
-	case key == "":
-		return "", fmt.Errorf("%w: the key is empty", ErrNoKey)
-	case len(key) > MaxKeyBytes:
-		return "", fmt.Errorf("%w: the key is %d bytes, over the %d-byte limit (use a shorter id, or a KeyFunc that hashes it)", ErrNoKey, len(key), MaxKeyBytes)
-	case !utf8.ValidString(key):
-		return "", fmt.Errorf("%w: the key is not valid UTF-8", ErrNoKey)
-	case strings.IndexByte(key, 0) >= 0:
-		return "", fmt.Errorf("%w: the key contains a NUL byte", ErrNoKey)
-	}
-	return key, nil
-}
+// checkKey refuses keys PostgreSQL cannot store or index: empty, NUL bytes, invalid UTF-8,
+// too long.
+func checkKey(key string) (string, error) { return engine.CheckKey(key) }
 
 // NoKeyPolicy says what the middleware does with a message that has no usable dedup key.
 // Either way the handler does not run: processing a message without deduplication would

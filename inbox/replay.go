@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"log/slog"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,8 +14,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/onceflow/onceflow/internal/failure"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/internal/routerctx"
 )
 
 // Replay of given-up messages (`onceflow inbox poison replay`, the console's replay button).
@@ -38,6 +38,10 @@ const (
 	StateReplayRequested = "replay_requested"
 	// StateReplayed: the replay was applied; a second one is refused.
 	StateReplayed = "replayed"
+	// StateDuplicate: when the replay ran, the message's dedup key was recorded by another
+	// delivery that committed meanwhile, so the handler did not run again; a second replay is
+	// refused.
+	StateDuplicate = "duplicate"
 )
 
 // Replay bounds.
@@ -46,9 +50,6 @@ const (
 	DefaultReplayLimit = 1000
 	// MaxReplayLimit is the largest ReplayFilter.Limit.
 	MaxReplayLimit = 10_000
-	// ReplayAttempts is how often a router consumer tries a replayed message before it is
-	// given up again (a batched consumer applies its own MaxAttempts).
-	ReplayAttempts = 3
 	// pendingBatch bounds the requests a consumer reads per look.
 	pendingBatch = 100
 )
@@ -257,6 +258,8 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 			reason = fmt.Sprintf("its replay was requested already (%s by %s) and waits for a process of consumer %q", fmtTime(c.requestedAt), c.requestedBy, c.consumer)
 		case c.state == StateReplayed:
 			reason = fmt.Sprintf("it was replayed already (%s): a second replay is refused; delete the row once handled (`onceflow inbox poison delete --id %d`)", fmtTime(c.replayedAt), c.id)
+		case c.state == StateDuplicate:
+			reason = fmt.Sprintf("its replay found the message applied by another delivery, so its handler did not run again: nothing is left to replay; delete the row (`onceflow inbox poison delete --id %d`)", c.id)
 		case c.refusal != nil:
 			reason = *c.refusal
 		case c.noKey:
@@ -308,15 +311,18 @@ func replayDBError(schema, what string, err error) error {
 
 // replaySQL holds the statements of the consumer's side of a replay.
 type replaySQL struct {
-	pending, start, undedup, failed string
+	pending, start, undedup, duplicate, failed string
 }
 
 func newReplaySQL(schema string) replaySQL {
 	t := pgsql.Table(schema, "inbox_poison")
 	return replaySQL{
 		// On the partial index inbox_poison_replay_idx: as cheap with no request as with many.
-		pending: `SELECT id, dedup_key, message_uuid, source, metadata, payload, handler, publish_topic FROM ` + t + `
-			WHERE consumer = $1 AND state = 'replay_requested' AND dedup_key IS NOT NULL AND ($2::text[] IS NULL OR handler = ANY($2::text[]))
+		// A router's requests are those of its handlers ($2); a batched consumer's those it
+		// gave up itself: no handler, one of its topics ($3).
+		pending: `SELECT id, dedup_key, message_uuid, source, metadata, payload, handler, publish_topic, topic FROM ` + t + `
+			WHERE consumer = $1 AND state = 'replay_requested' AND dedup_key IS NOT NULL
+			  AND (handler = ANY($2::text[]) OR (handler = '' AND topic = ANY($3::text[])))
 			ORDER BY id LIMIT ` + strconv.Itoa(pendingBatch),
 		// Locks the row: two processes of the consumer that read the same request apply it
 		// once (the second finds it replayed, after the first committed).
@@ -324,6 +330,10 @@ func newReplaySQL(schema string) replaySQL {
 			history = history || jsonb_build_array(jsonb_build_object('at', now(), 'event', 'replayed'))
 			WHERE id = $1 AND consumer = $2 AND state = 'replay_requested'`,
 		undedup: `DELETE FROM ` + pgsql.Table(schema, "processed_event") + ` WHERE consumer = $1 AND dedup_key = $2`,
+		// The start's change, corrected in the same transaction: the claim found the key taken.
+		duplicate: `UPDATE ` + t + ` SET state = 'duplicate', replayed_at = NULL, replays = replays - 1,
+			history = (history - (-1)) || jsonb_build_array(jsonb_build_object('at', now(), 'event', 'duplicate'))
+			WHERE id = $1 AND consumer = $2 AND state = 'replayed'`,
 		failed: `UPDATE ` + t + ` SET state = 'poison', attempts = attempts + $3::int, replays = replays + 1, error = $4::text, failed_at = now(),
 			history = history || jsonb_build_array(jsonb_build_object('at', now(), 'event', 'failed', 'attempts', $3::int, 'error', $4::text))
 			WHERE id = $1 AND consumer = $2 AND state = 'replay_requested'`,
@@ -332,35 +342,16 @@ func newReplaySQL(schema string) replaySQL {
 
 // replayRow is a poison row whose replay was requested.
 type replayRow struct {
-	id                                       int64
-	key, uuid, source, handler, publishTopic string
-	metadata                                 map[string]string
-	payload                                  []byte
-	started                                  bool // set by startReplayTx in the current attempt
+	id                                              int64
+	key, uuid, source, handler, publishTopic, topic string
+	metadata                                        map[string]string
+	payload                                         []byte
 }
 
-// startReplayTx begins the replay of rp in tx: the row is marked replayed (which locks it) and
-// the message's dedup row removed, so the claim that follows finds the key new. started is
-// false when the row is no longer waiting (another process applied it, or it was deleted).
-func (ib *Inbox) startReplayTx(ctx context.Context, tx pgx.Tx, rp *replayRow) (started bool, err error) {
-	tag, err := tx.Exec(ctx, ib.replaySQL.start, rp.id, ib.cfg.Consumer)
-	if err != nil {
-		return false, ib.dbError(fmt.Sprintf("start the replay of poison row %d", rp.id), err)
-	}
-	if tag.RowsAffected() == 0 {
-		return false, nil
-	}
-	if _, err := tx.Exec(ctx, ib.replaySQL.undedup, ib.cfg.Consumer, rp.key); err != nil {
-		return false, ib.dbError(fmt.Sprintf("remove the dedup row of poison row %d", rp.id), err)
-	}
-	rp.started = true
-	return true, nil
-}
-
-// pendingReplays reads up to pendingBatch requests of this consumer, oldest first; handlers,
-// when not nil, keeps those of these router handlers.
-func (ib *Inbox) pendingReplays(ctx context.Context, handlers []string) ([]*replayRow, error) {
-	rows, err := ib.cfg.Pool.Query(ctx, ib.replaySQL.pending, ib.cfg.Consumer, handlers)
+// pendingReplays reads up to pendingBatch requests of this consumer, oldest first: those of
+// the given router handlers, or those a batched consumer of the given topics gave up.
+func (ib *Inbox) pendingReplays(ctx context.Context, handlers, topics []string) ([]*replayRow, error) {
+	rows, err := ib.cfg.Pool.Query(ctx, ib.replaySQL.pending, ib.cfg.Consumer, handlers, topics)
 	if err != nil {
 		return nil, ib.dbError("read the replay requests", err)
 	}
@@ -368,7 +359,7 @@ func (ib *Inbox) pendingReplays(ctx context.Context, handlers []string) ([]*repl
 	for rows.Next() {
 		r := &replayRow{}
 		var md []byte
-		if err := rows.Scan(&r.id, &r.key, &r.uuid, &r.source, &md, &r.payload, &r.handler, &r.publishTopic); err != nil {
+		if err := rows.Scan(&r.id, &r.key, &r.uuid, &r.source, &md, &r.payload, &r.handler, &r.publishTopic, &r.topic); err != nil {
 			rows.Close()
 			return nil, ib.dbError("read the replay requests", err)
 		}
@@ -391,103 +382,161 @@ type replayTarget struct {
 	set   BatchHandlerFunc
 }
 
-// applyReplays applies the waiting replay requests of this consumer (of the given router
-// handlers, when handlers is not nil), each through rp like any failing message: attempts,
-// backoff, and when they are spent the row is given up again. It returns how many were
-// replayed, and stops early only when ctx ends or the schema is not migrated.
-func (ib *Inbox) applyReplays(ctx context.Context, rp RetryPolicy, handlers []string, target func(*replayRow) replayTarget) (int, error) {
-	rows, err := ib.pendingReplays(ctx, handlers)
+// applyReplays applies the waiting replay requests of this consumer — of the given router
+// handlers, or given up by a batched consumer of the given topics — each through rp like any
+// failing message: attempts, backoff, and when they are spent the row is given up again. It
+// returns how many were replayed, and stops early only when ctx ends or the schema is not
+// migrated.
+func (ib *Inbox) applyReplays(ctx context.Context, rp engine.RetryPolicy, handlers, topics []string, target func(*replayRow) replayTarget) (int, error) {
+	rows, err := ib.pendingReplays(ctx, handlers, topics)
 	if err != nil {
 		return 0, err
 	}
 	replayed := 0
-	rp.replaying = true
+	rp.Replaying = true
 	for _, row := range rows {
 		msg := message.NewMessage(row.uuid, row.payload)
 		if row.metadata != nil {
 			msg.Metadata = row.metadata
 		}
-		msg.SetContext(ctx)
+		// What the router (or the batched consumer) gives a live message.
+		msg.SetContext(routerctx.With(ctx, routerctx.Values{Handler: row.handler, SubscribeTopic: row.topic, PublishTopic: row.publishTopic}))
 		p := &replayProc{ib: ib, row: row, target: target(row)}
 		if err := rp.ApplyOne(ctx, p, msg, row.source, nil); err != nil {
 			return replayed, err
 		}
-		if p.done {
+		switch p.outcome {
+		case engine.Applied:
 			replayed++
 			ib.cfg.Logger.Info("inbox: poison message replayed", "poison_id", row.id, "message_uuid", row.uuid, "source", row.source)
+		case engine.Duplicate:
+			ib.cfg.Logger.Warn("inbox: replay not applied: the message's dedup key was recorded by another delivery meanwhile, so its handler did not run again (row state duplicate)",
+				"poison_id", row.id, "message_uuid", row.uuid, "source", row.source)
 		}
 	}
 	return replayed, nil
 }
 
 // replayProc is the replay of one row as a BatchProcessor, for RetryPolicy.ApplyOne: its
-// ProcessBatch is the consumer's engine on the message with the replay's first steps in the
-// same transaction, its SettlePoison gives the row up again.
+// ProcessBatch runs the consumer's unit with the replay's steps around it (replayUnit), its
+// SettlePoison gives the row up again.
 type replayProc struct {
-	ib     *Inbox
-	row    *replayRow
-	target replayTarget
-	done   bool
+	ib      *Inbox
+	row     *replayRow
+	target  replayTarget
+	outcome engine.Outcome // of the attempt that settled it
 }
 
 func (p *replayProc) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
-	p.row.started = false
-	err := p.ib.processBatch(ctx, msgs, p.target.topic, p.target.h, p.target.set, p.row)
-	if err == nil && p.row.started {
-		p.done = true
-	}
+	// The key it was given up under: the replay removes exactly that dedup row, even if
+	// KeyFunc changed since.
+	u := &unit{ib: p.ib, msgs: msgs, topic: p.target.topic, h: p.target.h, set: p.target.set, keys: []string{p.row.key}, keyed: []int{0}}
+	res, err := p.ib.runUnit(ctx, u, &replayUnit{unit: u, row: p.row})
+	p.outcome = res.Outcome
 	return err
 }
 
 // SettlePoison gives the replayed message up again: the row goes back to poison with its
 // attempts, replays, error and history updated; its dedup row stayed (the failed attempts
 // rolled back), so a redelivery is still skipped.
-func (p *replayProc) SettlePoison(ctx context.Context, msg *message.Message, ps Poison) error {
+func (p *replayProc) SettlePoison(ctx context.Context, msg *message.Message, g GiveUp) error {
 	reason := "unknown error"
-	if ps.Err != nil {
-		reason = ps.Err.Error()
+	if g.Err != nil {
+		reason = g.Err.Error()
 	}
-	tag, err := p.ib.cfg.Pool.Exec(ctx, p.ib.replaySQL.failed, p.row.id, p.ib.cfg.Consumer, ps.Attempts, reason)
+	tag, err := p.ib.cfg.Pool.Exec(ctx, p.ib.replaySQL.failed, p.row.id, p.ib.cfg.Consumer, g.Attempts, reason)
 	if err != nil {
 		return p.ib.dbError(fmt.Sprintf("give poison row %d up again", p.row.id), err)
 	}
 	if tag.RowsAffected() == 1 {
 		p.ib.cfg.Metrics.Poisoned(p.ib.cfg.Consumer)
 		p.ib.cfg.Logger.Error("inbox: a replayed message failed again; given up again (`onceflow inbox poison` shows its attempts and history)",
-			"poison_id", p.row.id, "message_uuid", msg.UUID, "source", ps.Source, "attempts", ps.Attempts, "err", ps.Err)
+			"poison_id", p.row.id, "message_uuid", msg.UUID, "source", g.Source, "attempts", g.Attempts, "err", g.Err)
 	}
 	return nil
 }
 
-// Replayer is a BatchProcessor that applies the replay requests of its consumer's poison rows
-// (ReplayTx). inboxkafka.BatchConsumer runs ApplyReplays every ReplayInterval while it runs;
-// the processors of Inbox.Batch, BatchNoPublish and BatchFunc are Replayers. The saga
-// orchestrator and participants are not: their poison rows are refused (see ReplayTx).
-type Replayer interface {
-	// ApplyReplays applies the waiting requests, each with rp's attempts and backoff, and
-	// returns how many were replayed. It returns early only when ctx ends or the schema is
-	// not migrated.
-	ApplyReplays(ctx context.Context, rp RetryPolicy) (int, error)
-	// ReplayInterval is how often to call ApplyReplays (Config.ReplayInterval).
-	ReplayInterval() time.Duration
+// replayUnit is a replay as the engine runs it: the consumer's unit with a first step — the
+// row marked replayed (which locks it) and the message's dedup row removed, so the claim finds
+// the key new and the handler runs once more — all committed together or not at all.
+type replayUnit struct {
+	*unit
+	row     *replayRow
+	applied bool
 }
 
-var _ Replayer = (*batchProcessor)(nil)
+// Start implements engine.Starter: false when the row is no longer waiting (another process
+// of the consumer applied it, or it was deleted).
+func (r *replayUnit) Start(ctx context.Context, tx pgx.Tx) (bool, error) {
+	ib := r.ib
+	tag, err := tx.Exec(ctx, ib.replaySQL.start, r.row.id, ib.cfg.Consumer)
+	if err != nil {
+		return false, ib.dbError(fmt.Sprintf("start the replay of poison row %d", r.row.id), err)
+	}
+	if tag.RowsAffected() == 0 {
+		return false, nil
+	}
+	if _, err := tx.Exec(ctx, ib.replaySQL.undedup, ib.cfg.Consumer, r.row.key); err != nil {
+		return false, ib.dbError(fmt.Sprintf("remove the dedup row of poison row %d", r.row.id), err)
+	}
+	return true, nil
+}
 
-// ApplyReplays implements Replayer: a replayed message runs through this processor's handler,
-// in the engine every batch of it runs in.
-func (p *batchProcessor) ApplyReplays(ctx context.Context, rp RetryPolicy) (int, error) {
-	return p.ib.applyReplays(ctx, rp, nil, func(*replayRow) replayTarget {
+// Apply implements engine.Unit.
+func (r *replayUnit) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
+	applied, err := r.unit.Apply(ctx, tx)
+	r.applied = len(applied) > 0
+	return applied, err
+}
+
+// Write implements engine.Unit: the handler's messages, or, when the claim found the key
+// taken by a delivery that committed meanwhile, the row marked duplicate instead of replayed.
+func (r *replayUnit) Write(ctx context.Context, tx pgx.Tx) error {
+	if r.applied {
+		return r.unit.Write(ctx, tx)
+	}
+	if _, err := tx.Exec(ctx, r.ib.replaySQL.duplicate, r.row.id, r.ib.cfg.Consumer); err != nil {
+		return r.ib.dbError(fmt.Sprintf("mark poison row %d duplicate", r.row.id), err)
+	}
+	return nil
+}
+
+var _ engine.Replayer = (*batchProcessor)(nil)
+
+// ApplyReplays implements engine.Replayer: the replays of the rows this processor's batched
+// consumer (of topics) gave up run through this processor's handler, in the engine every batch
+// of it runs in.
+func (p *batchProcessor) ApplyReplays(ctx context.Context, rp engine.RetryPolicy, topics []string) (int, error) {
+	return p.ib.applyReplays(ctx, rp, nil, topics, func(*replayRow) replayTarget {
 		return replayTarget{topic: p.topic, h: p.perMessage, set: p.set}
 	})
 }
 
-// ReplayInterval implements Replayer.
+// ReplayInterval implements engine.Replayer.
 func (p *batchProcessor) ReplayInterval() time.Duration { return p.ib.cfg.ReplayInterval }
 
-// attemptsKey carries the Poison middleware's attempt counter in a message's context; the
-// inbox middleware counts each attempt into it.
+// attemptsKey carries the Poison middleware's record of the passes through the inbox
+// middleware in a message's context.
 type attemptsKey struct{}
+
+// attempts is what the inbox middleware tells the Poison middleware outside it: how many
+// times the message went through it, and whether the last pass failed for a reason that was
+// not the message's (the transaction's failure, or the consumer stopping) — the engine's
+// verdict, so that Poison never judges an error by its type.
+type attempts struct {
+	n          atomic.Int32
+	notMessage atomic.Bool
+}
+
+// record counts a pass; notMessage says its failure was not the message's. Safe on nil (the
+// Poison middleware is not installed).
+func (a *attempts) record(notMessage bool) {
+	if a == nil {
+		return
+	}
+	a.n.Add(1)
+	a.notMessage.Store(notMessage)
+}
 
 // Poison is the router's poison middleware for an inbox consumer, in place of Watermill's
 // PoisonQueue: install it outermost (first added). When the chain below it (Retry, Timeout,
@@ -498,9 +547,13 @@ type attemptsKey struct{}
 // lists it, and `onceflow inbox poison replay` re-drives it through this handler once its bug
 // is fixed (RouterPlugin applies the request).
 //
-// A failure of the database rather than of the message (unreachable, restarting, a deadlock
-// that outlasted Retry) is not given up: the message is nacked and redelivered. If the poison
-// row cannot be written, the message is nacked too.
+// Whose the failure is, is the engine's verdict on the last pass through the inbox, not a
+// guess from the error's type: a failure of the transaction's own connection or server
+// (unreachable, restarting, a deadlock that outlasted Retry), or the consumer stopping (the
+// message's context cancelled), is not given up: the message is nacked and redelivered.
+// Everything else the handler returned is the message's — an HTTP client's error, a deadline
+// of middleware.Timeout, a decoder's io.EOF — and is given up. If the poison row cannot be
+// written, the message is nacked too.
 func (ib *Inbox) Poison(h message.HandlerFunc) message.HandlerFunc {
 	// The router decorates handlers after its plugins ran, so RouterPlugin has registered by
 	// now if it is installed.
@@ -511,26 +564,22 @@ func (ib *Inbox) Poison(h message.HandlerFunc) message.HandlerFunc {
 		})
 	}
 	return func(msg *message.Message) ([]*message.Message, error) {
-		var attempts atomic.Int32
-		msg.SetContext(context.WithValue(msg.Context(), attemptsKey{}, &attempts))
+		mctx := msg.Context()
+		pass := &attempts{}
+		msg.SetContext(context.WithValue(mctx, attemptsKey{}, pass))
 		out, err := h(msg)
 		if err == nil {
 			return out, nil
 		}
-		if failure.OfBatch(err, nil) && !IsPoison(err) {
-			return nil, err // the database's failure, not the message's: redelivered
+		if (pass.notMessage.Load() || errors.Is(mctx.Err(), context.Canceled)) && !IsPoison(err) {
+			return nil, err // the database's failure, or the consumer stops: not the message's; redelivered
 		}
-		n := int(attempts.Load())
-		if n == 0 {
-			n = 1 // failed before it reached the inbox (a middleware in between)
-		}
-		mctx := msg.Context()
-		p := Poison{Source: message.SubscribeTopicFromCtx(mctx), Attempts: n, Err: err,
+		g := GiveUp{Source: message.SubscribeTopicFromCtx(mctx), Attempts: max(1, int(pass.n.Load())), Err: err,
 			Handler: message.HandlerNameFromCtx(mctx), PublishTopic: message.PublishTopicFromCtx(mctx)}
 		// The message's context may be cancelled already (Timeout, a closing subscriber).
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(mctx), ib.cfg.CommitTimeout)
 		defer cancel()
-		if serr := ib.SettlePoison(ctx, msg, p); serr != nil {
+		if serr := ib.SettlePoison(ctx, msg, g); serr != nil {
 			return nil, fmt.Errorf("inbox: consumer %q: message %q failed for good and could not be recorded as poison, so it is redelivered (%v): %w",
 				ib.cfg.Consumer, msg.UUID, serr, err)
 		}
@@ -542,10 +591,12 @@ func (ib *Inbox) Poison(h message.HandlerFunc) message.HandlerFunc {
 // replay requests of this consumer's poison rows — those the Poison middleware recorded — for
 // as long as the router runs: every Config.ReplayInterval it looks for requests, and runs each
 // message through the handler it failed in (router.Handlers(), by the name in the row) on the
-// inbox's engine, in one transaction with the replay's state change and its dedup row, trying
-// it ReplayAttempts times before giving it up again. Middleware of the router is not run for a
-// replay (the inbox is innermost, so the handler is what it wrapped). It stops when the router
-// closes.
+// inbox's engine, in one transaction with the replay's state change and its dedup row, with
+// the consumers' retry defaults (engine.DefaultMaxAttempts tries, backoff from 100 ms) before
+// giving it up again. Middleware of the router is not run for a replay (the inbox is
+// innermost, so the handler is what it wrapped); the handler finds the handler name, subscribe
+// topic and publish topic in the message's context, as for a live message. It stops when the
+// router closes.
 func (ib *Inbox) RouterPlugin(r *message.Router) error {
 	handlers := r.Handlers() // before the handlers start: the map is not changing yet
 	names := make([]string, 0, len(handlers))
@@ -576,35 +627,11 @@ func (ib *Inbox) runRouterReplays(r *message.Router, handlers map[string]message
 	case <-ctx.Done():
 		return
 	}
-	rp := RetryPolicy{MaxAttempts: ReplayAttempts, Backoff: 100 * time.Millisecond, MaxBackoff: 5 * time.Second, Logger: ib.cfg.Logger}
+	rp := engine.NewRetryPolicy(0, 0, 0, ib.cfg.Logger)
 	target := func(row *replayRow) replayTarget {
 		return replayTarget{topic: row.publishTopic, h: handlers[row.handler]}
 	}
-	RunReplays(ctx, ib.cfg.ReplayInterval, ib.cfg.Logger, func(ctx context.Context) (int, error) {
-		return ib.applyReplays(ctx, rp, names, target)
+	engine.RunReplays(ctx, ib.cfg.ReplayInterval, ib.cfg.Logger, func(ctx context.Context) (int, error) {
+		return ib.applyReplays(ctx, rp, names, nil, target)
 	})
-}
-
-// RunReplays calls apply at once and then every interval until ctx ends, logging its errors
-// (the first and every 10th in a row): the loop of a consumer that applies replay requests
-// (Inbox.RouterPlugin; inboxkafka.BatchConsumer with a Replayer).
-func RunReplays(ctx context.Context, interval time.Duration, log *slog.Logger, apply func(context.Context) (int, error)) {
-	failures := 0
-	for {
-		_, err := apply(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		if err != nil {
-			if failures%10 == 0 {
-				log.Error("inbox: applying replay requests failed; trying again", "failures", failures+1, "err", err)
-			}
-			failures++
-		} else {
-			failures = 0
-		}
-		if !failure.Sleep(ctx, interval) {
-			return
-		}
-	}
 }

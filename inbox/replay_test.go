@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -78,7 +79,7 @@ func TestReplayTxRequests(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t, nil)
 	audit := f.newInbox(func(c *inbox.Config) { c.Consumer = "audit" })
-	settle := func(ib *inbox.Inbox, msg *message.Message, p inbox.Poison) {
+	settle := func(ib *inbox.Inbox, msg *message.Message, p inbox.GiveUp) {
 		t.Helper()
 		if p.Err == nil {
 			p.Err = errors.New("constraint invoice_amount_check failed")
@@ -89,15 +90,15 @@ func TestReplayTxRequests(t *testing.T) {
 		}
 	}
 	b1, b2, b3 := outbox.NewMessage([]byte("1")), outbox.NewMessage([]byte("2")), outbox.NewMessage([]byte("3"))
-	settle(f.ib, b1, inbox.Poison{})
-	settle(f.ib, b2, inbox.Poison{Err: errors.New("timeout talking to the tax service")})
-	settle(f.ib, b3, inbox.Poison{})
+	settle(f.ib, b1, inbox.GiveUp{})
+	settle(f.ib, b2, inbox.GiveUp{Err: errors.New("timeout talking to the tax service")})
+	settle(f.ib, b3, inbox.GiveUp{})
 	a1 := outbox.NewMessage([]byte("a"))
-	settle(audit, a1, inbox.Poison{})
+	settle(audit, a1, inbox.GiveUp{})
 	reply := outbox.NewMessage([]byte("reply"))
-	settle(f.ib, reply, inbox.Poison{NoReplay: "a saga reply: resume the saga with `onceflow saga retry s-1`"})
+	settle(f.ib, reply, inbox.GiveUp{NoReplay: "a saga reply: resume the saga with `onceflow saga retry s-1`"})
 	keyless := message.NewMessage("", []byte("keyless"))
-	settle(f.ib, keyless, inbox.Poison{})
+	settle(f.ib, keyless, inbox.GiveUp{})
 	var keylessID int64
 	if err := f.db.Pool.QueryRow(ctx, `SELECT id FROM `+f.db.Table("inbox_poison")+` WHERE dedup_key IS NULL`).Scan(&keylessID); err != nil {
 		t.Fatal(err)
@@ -288,7 +289,7 @@ func TestRouterPoisonReplay(t *testing.T) {
 	}
 	// Failed again: back to poison, attempts and replays counted, the new error, the history.
 	p := f.poisonOf(stillBad.UUID)
-	if p.state != inbox.StatePoison || p.attempts != 2+inbox.ReplayAttempts || p.replay != 1 || len(p.history) != 2 ||
+	if p.state != inbox.StatePoison || p.attempts != 2+engine.DefaultMaxAttempts || p.replay != 1 || len(p.history) != 2 ||
 		p.history[1]["event"] != "failed" || !strings.Contains(fmt.Sprint(p.history[1]["error"]), "still broken") || f.effects(stillBad.UUID) != 0 {
 		t.Errorf("a replay that failed again: %+v", p)
 	}

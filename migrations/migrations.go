@@ -11,7 +11,6 @@ package migrations
 import (
 	"context"
 	"embed"
-	"errors"
 	"fmt"
 	"io/fs"
 	"log/slog"
@@ -240,8 +239,9 @@ func Statuses(ctx context.Context, db DB, opts Options) ([]Status, error) {
 }
 
 // ErrNotMigrated is what a *NotMigratedError matches with errors.Is: the schema lacks steps
-// this binary needs.
-var ErrNotMigrated = errors.New("migrations: schema is not migrated")
+// this binary needs. (The value lives in internal/pgsql, so the engines below the public
+// packages can recognise it too.)
+var ErrNotMigrated = pgsql.ErrNotMigrated
 
 // NotMigratedError is Validate's report of a schema that lacks steps this binary needs. Its
 // message names the steps and the command to run, so a service can return it as is.

@@ -360,3 +360,7 @@ func keyHash(key, id string) uint32 {
 	h.Write([]byte(key))
 	return h.Sum32()
 }
+
+// MessageIndex returns Index, the position of the refused message in the write call: the
+// consumers map it back to the message whose handler returned it.
+func (e *ValidationError) MessageIndex() int { return e.Index }

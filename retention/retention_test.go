@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	engine "github.com/onceflow/onceflow/internal/retention"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/retention"
 )
 
@@ -36,7 +36,7 @@ func TestSchedules(t *testing.T) {
 		if got := c.s.Next(now).UTC().Format(time.RFC3339); got != c.want {
 			t.Errorf("%s: %v.Next(%s) = %s, want %s", c.name, c.s, c.now, got, c.want)
 		}
-		if err := engine.CheckSchedule(c.s); err != nil {
+		if err := cleaning.CheckSchedule(c.s); err != nil {
 			t.Errorf("%s: valid schedule %v refused: %v", c.name, c.s, err)
 		}
 	}
@@ -54,7 +54,7 @@ func TestInvalidSchedulesAreRefused(t *testing.T) {
 		{retention.DailyAt(3, 60), "DailyAt(3, 60)"},
 	}
 	for _, c := range cases {
-		err := engine.CheckSchedule(c.s)
+		err := cleaning.CheckSchedule(c.s)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("CheckSchedule(%v) = %v, want %q", c.s, err, c.want)
 		}

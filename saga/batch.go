@@ -12,6 +12,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -23,9 +24,8 @@ import (
 // Attempts, backoff and compensation then apply), a reply sets its saga stuck with the error.
 // Redelivering it forever would block every other saga behind it on its partition.
 const (
-	DefaultMaxAttempts  = 5
-	DefaultRetryBackoff = 100 * time.Millisecond
-	maxRetryBackoff     = 5 * time.Second
+	DefaultMaxAttempts  = engine.DefaultMaxAttempts
+	DefaultRetryBackoff = engine.DefaultBackoff
 )
 
 var (
@@ -67,88 +67,78 @@ func (o *Orchestrator) ProcessBatch(ctx context.Context, msgs []*message.Message
 	return nil
 }
 
-func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message) (err error) {
-	type reply struct {
-		index int
-		msg   *message.Message
-		ref   outbox.SagaRef
-		key   string
-	}
-	replies := make([]reply, 0, len(msgs))
-	keys := make([]string, 0, len(msgs))
+// processBatch applies replies in one transaction of the engine (replyBatch) and, once it
+// committed, counts and traces their transitions.
+func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message) error {
+	u := &replyBatch{o: o, b: &pgx.Batch{}}
 	for i, msg := range msgs {
-		ref, key, ok := o.readReply(msg)
-		if ok {
-			replies = append(replies, reply{i, msg, ref, key})
-			keys = append(keys, key)
+		if ref, key, ok := o.readReply(msg); ok {
+			u.replies = append(u.replies, reply{i, msg, ref, key})
 		}
 	}
-	if len(replies) == 0 {
+	if len(u.replies) == 0 {
 		return nil
 	}
-	tx, err := o.cfg.Pool.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("saga: begin transaction: %w", err)
-	}
-	defer rollback(tx)
-	if err := inbox.TakeTurnTx(ctx, tx, o.cfg.Consumer); err != nil {
-		return err
-	}
-	// One round trip: the replies' dedup claims, then the locks of their sagas, in one
-	// statement each. The sagas of duplicate replies are locked for nothing; the commit
-	// releases them.
-	var ids []string
-	for _, r := range replies {
-		ids = append(ids, r.ref.ID)
-	}
-	slices.Sort(ids)
-	ids = slices.Compact(ids)
-	var claimed []bool
-	var lk locked
-	b := &pgx.Batch{}
-	if err := o.ib.QueueClaimMany(b, keys, &claimed); err != nil {
-		return err
-	}
-	o.st.queueLockMany(b, ids, &lk)
-	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return fmt.Errorf("saga: claim %d replies and lock their sagas: %w", len(keys), o.st.explain(err))
-	}
-	fresh := replies[:0:0]
-	for j, r := range replies {
-		if !claimed[j] {
-			o.cfg.Logger.Debug("saga: duplicate reply skipped", "saga_id", r.ref.ID, "dedup_key", r.key)
-			continue
+	res, err := o.run.Run(ctx, len(msgs), u)
+	for _, d := range u.done {
+		if err == nil && res.Outcome == engine.Applied {
+			o.observe(d.in, d.fx, u.now)
+			noteTransition(d.ctx, d.in, d.fx)
 		}
-		fresh = append(fresh, r)
+		endMessage(d.span, err)
 	}
-	if len(fresh) == 0 {
-		return nil // every reply was a duplicate: nothing to commit
+	return err
+}
+
+// reply is one readable reply of a batch.
+type reply struct {
+	index int
+	msg   *message.Message
+	ref   outbox.SagaRef
+	key   string
+}
+
+// replyBatch is the orchestrator's part of a transaction of replies (engine.Unit).
+type replyBatch struct {
+	o       *Orchestrator
+	replies []reply
+	now     time.Time // the database's clock, read with the saga rows
+	done    []transition
+	b       *pgx.Batch // what Write sends: timers, saga rows
+	// commands are the transitions' commands; origin[i] is the index in the batch of the
+	// reply whose transition sent commands[i].
+	commands []*message.Message
+	origin   []int
+}
+
+// transition is a reply's computed transition, traced and counted once it committed.
+type transition struct {
+	ctx  context.Context
+	in   *instance
+	fx   *effects
+	span trace.Span
+}
+
+// Apply implements engine.Unit: the replies' dedup keys claimed and their sagas locked in one
+// round trip, then each new reply's transition computed (and run: OnReplyTx, local steps) on
+// its saga's row in memory, replies of one saga in order.
+func (u *replyBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
+	o := u.o
+	fresh, lk, err := u.claimAndLock(ctx, tx)
+	if err != nil || len(fresh) == 0 {
+		return nil, err // every reply was a duplicate: nothing to commit
 	}
-	sagas, broken, now := lk.sagas, lk.broken, lk.now
-	if len(sagas) == 0 { // no row read, so no clock: none is needed either
-		now = time.Now()
+	if u.now = lk.now; len(lk.sagas) == 0 { // no row read, so no clock: none is needed either
+		u.now = time.Now()
 	}
-	type done struct {
-		ctx  context.Context
-		in   *instance
-		fx   *effects
-		span trace.Span
-	}
-	var applied []done
-	defer func() {
-		for _, d := range applied {
-			endMessage(d.span, err)
-		}
-	}()
-	b = &pgx.Batch{}
-	var commands []*message.Message
-	var origin []int        // index in msgs of the reply whose transition sent commands[i]
+	applied := make([]int, 0, len(fresh))
 	var changed []*instance // in the order first changed
 	for _, r := range fresh {
-		if err := broken[r.ref.ID]; err != nil {
-			return &inbox.MessageError{Index: r.index, Err: err}
+		if err := lk.broken[r.ref.ID]; err != nil {
+			return nil, &inbox.MessageError{Index: r.index, Err: err}
 		}
-		in := sagas[r.ref.ID]
+		applied = append(applied, r.index) // its dedup row commits, whatever follows
+		in := lk.sagas[r.ref.ID]
 		if in == nil {
 			o.cfg.Logger.Warn("saga: reply for an unknown saga acknowledged", "saga_id", r.ref.ID)
 			o.cfg.Metrics.Ignored("")
@@ -156,55 +146,81 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 		}
 		def, err := o.lookup(in.Name, in.Version)
 		if err != nil {
-			return &inbox.MessageError{Index: r.index, Err: err}
+			return nil, &inbox.MessageError{Index: r.index, Err: err}
 		}
 		mctx, span := startMessage(o.tr, r.msg, r.ref, o.cfg.Consumer)
-		fx, err := o.advance(mctx, tx, def, in, now, replyOf(r.msg, r.ref))
+		fx, err := o.advance(mctx, tx, def, in, u.now, replyOf(r.msg, r.ref))
 		if err != nil {
 			endMessage(span, err)
-			if ctx.Err() != nil {
-				return err
-			}
 			// An OnReplyTx handler's or a local step's deadlock, a lost connection: the
-			// batch's failure; anything else the reply's.
-			return inbox.Blame(err, tx.Conn(), r.index)
+			// transaction's failure; anything else the reply's.
+			return nil, engine.Blame(ctx, err, tx.Conn(), r.index)
 		}
-		applied = append(applied, done{mctx, in, fx, span})
+		u.done = append(u.done, transition{mctx, in, fx, span})
 		if fx.stale != "" {
 			continue
 		}
 		if !slices.Contains(changed, in) {
 			changed = append(changed, in)
 		}
-		o.st.queueTimers(b, in.ID, fx, nil)
+		o.st.queueTimers(u.b, in.ID, fx, nil)
 		for _, cmd := range fx.commands {
 			cmd.SetContext(mctx) // its `create` span continues the reply's trace
-			commands = append(commands, cmd)
-			origin = append(origin, r.index)
+			u.commands = append(u.commands, cmd)
+			u.origin = append(u.origin, r.index)
 		}
 	}
 	for _, in := range changed {
-		if err := o.st.queueUpdate(b, in); err != nil {
-			return err
+		if err := o.st.queueUpdate(u.b, in); err != nil {
+			return nil, err
 		}
 	}
-	if len(commands) > 0 {
-		if err := o.cfg.Writer.QueueWriteTx(ctx, b, "", commands...); err != nil {
-			return refusedBy(origin, fmt.Errorf("saga: write %d commands: %w", len(commands), o.st.explain(err)))
+	return applied, nil
+}
+
+// claimAndLock claims the replies' dedup keys and locks their sagas, in one statement each
+// and one round trip, and returns the new replies. The sagas of duplicate replies are locked
+// for nothing; the transaction's end releases them.
+func (u *replyBatch) claimAndLock(ctx context.Context, tx pgx.Tx) ([]reply, locked, error) {
+	keys := make([]string, len(u.replies))
+	ids := make([]string, len(u.replies))
+	for i, r := range u.replies {
+		keys[i], ids[i] = r.key, r.ref.ID
+	}
+	slices.Sort(ids)
+	var claimed []bool
+	var lk locked
+	b := &pgx.Batch{}
+	if err := u.o.run.QueueClaim(b, keys, &claimed); err != nil {
+		return nil, lk, err
+	}
+	u.o.st.queueLockMany(b, slices.Compact(ids), &lk)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return nil, lk, fmt.Errorf("saga: claim %d replies and lock their sagas: %w", len(keys), u.o.st.explain(err))
+	}
+	fresh := u.replies[:0:0]
+	for j, r := range u.replies {
+		if !claimed[j] {
+			u.o.cfg.Logger.Debug("saga: duplicate reply skipped", "saga_id", r.ref.ID, "dedup_key", r.key)
+			continue
+		}
+		fresh = append(fresh, r)
+	}
+	return fresh, lk, nil
+}
+
+// Write implements engine.Unit: the timers, the saga rows and every command, in one round trip.
+func (u *replyBatch) Write(ctx context.Context, tx pgx.Tx) error {
+	if len(u.commands) > 0 {
+		if err := u.o.cfg.Writer.QueueWriteTx(ctx, u.b, "", u.commands...); err != nil {
+			return engine.Refused(fmt.Errorf("saga: write %d commands: %w", len(u.commands), u.o.st.explain(err)), u.origin)
 		}
 	}
-	if b.Len() > 0 {
-		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			return fmt.Errorf("saga: store %d sagas: %w", len(changed), o.st.explain(err))
-		}
+	if u.b.Len() == 0 {
+		return nil
 	}
-	if err := commit(ctx, tx); err != nil {
-		// A deferred constraint of an OnReplyTx handler or a local step.
-		return inbox.BlameCommit(err, tx.Conn(), len(fresh), func(i int) int { return fresh[i].index })
-	}
-	for _, d := range applied {
-		o.observe(d.in, d.fx, now)
-		noteTransition(d.ctx, d.in, d.fx)
+	if err := tx.SendBatch(ctx, u.b).Close(); err != nil {
+		return fmt.Errorf("saga: store the transitions of %d replies: %w", len(u.done), u.o.st.explain(err))
 	}
 	return nil
 }
@@ -237,22 +253,22 @@ func replyOf(msg *message.Message, ref outbox.SagaRef) event {
 // row and poison row (`onceflow inbox poison`) are written and its saga is set stuck with the
 // error (`onceflow saga show` shows it; `onceflow saga retry` resumes it once the cause is
 // fixed), so the reply partition moves on.
-func (o *Orchestrator) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
+func (o *Orchestrator) SettlePoison(ctx context.Context, msg *message.Message, g inbox.GiveUp) error {
 	ref, isSaga, _ := outbox.SagaOf(msg)
+	key, _ := inbox.DefaultKey(msg)
+	// A replay of the reply would apply an old reply to a saga that may have moved on
+	// (`saga retry` re-sends the step with a new attempt): refused, with the way out.
+	g.NoReplay = "a saga reply: its saga was set stuck when it was given up; resume the saga with `onceflow saga retry " + ref.ID +
+		"` (a replay would apply an old reply to a saga that may have moved on)"
 	var name string
 	var settled bool
-	err := pgx.BeginFunc(ctx, o.cfg.Pool, func(tx pgx.Tx) error {
-		var err error
-		// A replay of the reply would apply an old reply to a saga that may have moved on
-		// (`saga retry` re-sends the step with a new attempt): refused, with the way out.
-		p.NoReplay = "a saga reply: its saga was set stuck when it was given up; resume the saga with `onceflow saga retry " + ref.ID +
-			"` (a replay would apply an old reply to a saga that may have moved on)"
+	err := o.run.InTx(ctx, func(ctx context.Context, tx pgx.Tx) (err error) {
 		// A reply that another delivery applied meanwhile (its commit went through as the
 		// connection dropped) is not given up, and its saga is not stuck.
-		if settled, err = o.ib.SettlePoisonTx(ctx, tx, msg, p); err != nil || !settled || !isSaga {
+		if settled, err = o.run.GiveUpTx(ctx, tx, msg, key, g); err != nil || !settled || !isSaga {
 			return err
 		}
-		reason := fmt.Sprintf("the %s reply of step %q (attempt %d) could not be applied after %d tries: %v", ref.Phase, ref.Step, ref.Attempt, p.Attempts, p.Err)
+		reason := fmt.Sprintf("the %s reply of step %q (attempt %d) could not be applied after %d tries: %v", ref.Phase, ref.Step, ref.Attempt, g.Attempts, g.Err)
 		err = tx.QueryRow(ctx, o.st.stuck, ref.ID, reason).Scan(&name)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return nil // unknown or finished: nothing to stop
@@ -265,11 +281,11 @@ func (o *Orchestrator) SettlePoison(ctx context.Context, msg *message.Message, p
 	if !settled {
 		return nil
 	}
-	o.ib.LogPoison(msg, p)
+	o.run.LogGiveUp(msg, g)
 	if name != "" {
 		o.cfg.Metrics.Stuck(name)
 		o.cfg.Logger.Error("saga: stuck: a reply could not be applied; resume it with `onceflow saga retry` once the cause is fixed",
-			"saga_id", ref.ID, "saga", name, "step", ref.Step, "err", p.Err)
+			"saga_id", ref.ID, "saga", name, "step", ref.Step, "err", g.Err)
 	}
 	return nil
 }
@@ -329,11 +345,12 @@ func (sp *stepProcessor) ProcessBatch(ctx context.Context, msgs []*message.Messa
 	// dedup row and reply must commit. Without a savepoint per command, the batch is rolled
 	// back and run again with that outcome decided: each such command costs one re-run.
 	for {
-		idx, oe, err := sp.p.runBatch(ctx, sp.phase, cmds, sp.run)
-		if oe == nil {
+		_, err := sp.p.run.Run(ctx, len(msgs), &commandBatch{p: sp.p, phase: sp.phase, cmds: cmds, run: sp.run})
+		var d *decided
+		if !errors.As(err, &d) {
 			return err
 		}
-		cmds[idx].outcome = oe
+		cmds[d.index].outcome = d.outcome
 	}
 }
 
@@ -344,8 +361,8 @@ func (sp *stepProcessor) CheckSchema(ctx context.Context) error { return sp.p.Ch
 // error (outcome retry: the orchestrator re-sends it within the step's attempts, then
 // compensates), with its dedup row, in one transaction. A command that is not a valid saga
 // command is recorded as poison (`onceflow inbox poison`).
-func (sp *stepProcessor) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
-	return sp.p.settle(ctx, msg, sp.phase, p)
+func (sp *stepProcessor) SettlePoison(ctx context.Context, msg *message.Message, g inbox.GiveUp) error {
+	return sp.p.settle(ctx, msg, sp.phase, g)
 }
 
 // readCommand checks a command's saga metadata; an error (wrapping inbox.ErrNoKey: poison,
@@ -383,7 +400,7 @@ func (p *Participant) reply(cmd *message.Message, ref outbox.SagaRef, replyTo, o
 
 // settle answers a command whose handler kept failing as a failed attempt (see
 // stepProcessor.SettlePoison); an invalid command is recorded as poison.
-func (p *Participant) settle(ctx context.Context, msg *message.Message, phase outbox.SagaPhase, ps inbox.Poison) error {
+func (p *Participant) settle(ctx context.Context, msg *message.Message, phase outbox.SagaPhase, g inbox.GiveUp) error {
 	ref, replyTo, key, err := p.readCommand(msg, phase)
 	if err != nil {
 		// Not a valid command of this participant: a replay would fail the same way.
@@ -391,12 +408,24 @@ func (p *Participant) settle(ctx context.Context, msg *message.Message, phase ou
 		if id == "" {
 			id = "<saga id>"
 		}
-		ps.NoReplay = "a saga command that is not valid for its participant: a replay would fail the same way; fix the sender, then `onceflow saga retry " + id + "`"
-		return p.ib.SettlePoison(ctx, msg, ps)
+		g.NoReplay = "a saga command that is not valid for its participant: a replay would fail the same way; fix the sender, then `onceflow saga retry " + id + "`"
+		key, _ := inbox.DefaultKey(msg) // "" without a usable key: the poison row only
+		var settled bool
+		err := p.run.InTx(ctx, func(ctx context.Context, tx pgx.Tx) (err error) {
+			settled, err = p.run.GiveUpTx(ctx, tx, msg, key, g)
+			return err
+		})
+		if err != nil {
+			return fmt.Errorf("saga participant %q: record poison command %q: %w", p.cfg.Consumer, msg.UUID, schemaError(p.cfg.Schema, err))
+		}
+		if settled {
+			p.run.LogGiveUp(msg, g)
+		}
+		return nil
 	}
-	reason := fmt.Sprintf("handler failed %d times: %v", ps.Attempts, ps.Err)
-	err = pgx.BeginFunc(ctx, p.cfg.Pool, func(tx pgx.Tx) error {
-		claimed, err := p.ib.ClaimTx(ctx, tx, key)
+	reason := fmt.Sprintf("handler failed %d times: %v", g.Attempts, g.Err)
+	err = p.run.InTx(ctx, func(ctx context.Context, tx pgx.Tx) error {
+		claimed, err := p.run.ClaimTx(ctx, tx, key)
 		if err != nil || !claimed[0] {
 			return err // a duplicate: the first delivery was answered
 		}
@@ -408,17 +437,6 @@ func (p *Participant) settle(ctx context.Context, msg *message.Message, phase ou
 	p.cfg.Metrics.StepError(p.cfg.Consumer)
 	p.cfg.Logger.Error("saga participant: a command's handler kept failing; answered as a failed attempt (the saga retries or compensates)",
 		"consumer", p.cfg.Consumer, "saga_id", ref.ID, "step", ref.Step, "phase", ref.Phase, "attempt", ref.Attempt,
-		"tries", ps.Attempts, "err", ps.Err)
+		"tries", g.Attempts, "err", g.Err)
 	return nil
-}
-
-// refusedBy turns the outbox's refusal of the i-th message of a write (too large, a bad topic)
-// into the failure of the batch message it came from (origin[i]): retrying the batch cannot fix
-// it, so the consumer isolates that message instead. Other errors are returned as they are.
-func refusedBy(origin []int, err error) error {
-	var ve *outbox.ValidationError
-	if errors.As(err, &ve) && ve.Index >= 0 && ve.Index < len(origin) {
-		return &inbox.MessageError{Index: origin[ve.Index], Err: err}
-	}
-	return err
 }

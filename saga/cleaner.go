@@ -11,7 +11,7 @@ import (
 
 	"github.com/onceflow/onceflow/internal/config"
 	"github.com/onceflow/onceflow/internal/pgsql"
-	engine "github.com/onceflow/onceflow/internal/retention"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/retention"
 )
 
@@ -55,7 +55,7 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool that holds the saga table"))
 	}
-	problems = append(problems, engine.CleanerFields{Schema: &cfg.Schema, BatchSize: &cfg.BatchSize, Schedule: &cfg.Schedule, Logger: &cfg.Logger,
+	problems = append(problems, cleaning.CleanerFields{Schema: &cfg.Schema, BatchSize: &cfg.BatchSize, Schedule: &cfg.Schedule, Logger: &cfg.Logger,
 		Window: &cfg.Window, DefaultWindow: DefaultWindow, AllowShortWindow: cfg.AllowShortWindow}.Defaults()...)
 	if err := config.Check("saga cleaner", problems...); err != nil {
 		return nil, err
@@ -73,7 +73,7 @@ func (c *Cleaner) Config() CleanerConfig { return c.cfg }
 // Clean makes one pass: it deletes every saga that finished before the window, BatchSize
 // per statement, and returns how many it deleted.
 func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
-	n, err := engine.DeleteInBatches(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize, c.cfg.Window.Seconds())
+	n, err := cleaning.DeleteInBatches(ctx, c.cfg.Pool, c.sql, c.cfg.BatchSize, c.cfg.Window.Seconds())
 	if err != nil {
 		return n, fmt.Errorf("saga: clean %s.saga (deleted %d rows before the error): %w", c.cfg.Schema, n, schemaError(c.cfg.Schema, err))
 	}
@@ -83,5 +83,5 @@ func (c *Cleaner) Clean(ctx context.Context) (int64, error) {
 // Run calls Clean at every time CleanerConfig.Schedule gives until ctx ends, and returns ctx's
 // error. A failed run is logged and retried at the next scheduled time.
 func (c *Cleaner) Run(ctx context.Context) error {
-	return engine.Run(ctx, c.cfg.Schedule, c.cfg.Logger.With("table", "saga"), c.Clean)
+	return cleaning.Run(ctx, c.cfg.Schedule, c.cfg.Logger.With("table", "saga"), c.Clean)
 }

@@ -111,15 +111,24 @@ func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, 
 		return data, nil, nil
 	}
 	var oe *outcomeError
-	if !errors.As(stepErr, &oe) && (failure.OfBatch(stepErr, tx.Conn()) || ctx.Err() != nil) {
-		// Not the step's failure: the database's, or the message's context ended (a
-		// rebalance, a shutdown). No run is counted; the transition is tried again.
+	if !errors.As(stepErr, &oe) && !stepsFailure(ctx, stepErr, tx) {
+		// Not the step's failure: the transaction's (a deadlock, the connection lost), or
+		// the consumer stops (a rebalance, a shutdown). No run is counted; the transition is
+		// tried again.
 		return nil, nil, stepErr
 	}
 	if _, err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_local`); err != nil {
 		return nil, nil, fmt.Errorf("roll back its writes after %w: %w", stepErr, err)
 	}
 	return nil, stepErr, nil
+}
+
+// stepsFailure reports whether err, returned by a local step or an OnReplyTx handler run in tx
+// under ctx, is the step's by the engine's rule (failure.Whose): everything but a failure of
+// the transaction's own connection or server and the consumer stopping — an HTTP client's
+// error, a deadline, a decoder's EOF count the step's attempts like any other error.
+func stepsFailure(ctx context.Context, err error, tx pgx.Tx) bool {
+	return failure.Whose(ctx, err, tx.Conn()) == failure.Message
 }
 
 // runReplyTx returns the machine's replyTx for a transition in tx: it runs a step's
@@ -143,7 +152,7 @@ func runReplyTx(ctx context.Context, tx pgx.Tx, def definition, in *instance) fu
 			}
 			return data, nil
 		}
-		if failure.OfBatch(err, tx.Conn()) || ctx.Err() != nil {
+		if !stepsFailure(ctx, err, tx) {
 			return nil, transitionError{err}
 		}
 		if _, rbErr := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT onceflow_saga_reply`); rbErr != nil {

@@ -15,8 +15,8 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/failure"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/internal/tracing"
@@ -33,10 +33,6 @@ const (
 	DefaultTimerInterval = 200 * time.Millisecond
 	// DefaultTimerBatch bounds the timers fired in one transaction.
 	DefaultTimerBatch = 50
-	// commitTimeout bounds a transition's commit, which runs detached from the message's
-	// context: a transition that was computed should be kept, not redone, when the
-	// subscriber is closing.
-	commitTimeout = 10 * time.Second
 )
 
 // OrchestratorConfig configures an Orchestrator. Pool is required; the rest has defaults.
@@ -65,6 +61,11 @@ type OrchestratorConfig struct {
 	// records the reply in inbox_poison), so the reply partition moves on. Default
 	// DefaultMaxAttempts. (The batched consumer has its own, inboxkafka.BatchConfig.MaxAttempts.)
 	MaxAttempts int
+	// CommitTimeout bounds the writes and the COMMIT that follow a computed transition (the
+	// saga rows, timers and commands), which run detached from the message's cancellation: a
+	// transition that was computed is kept, not redone, when the subscriber is closing.
+	// Default inbox.DefaultCommitTimeout (30 s), as every consumer's; negative is refused.
+	CommitTimeout time.Duration
 	// TracerProvider records a `process <reply topic>` span per reply, child of the reply's
 	// creation context, with the saga's id, step and state after the transition. Default
 	// nil: the global provider. Propagator reads the creation context from the metadata;
@@ -81,7 +82,7 @@ type OrchestratorConfig struct {
 // locked while it changes.
 type Orchestrator struct {
 	cfg OrchestratorConfig
-	ib  *inbox.Inbox
+	run *engine.Runner // its transactions, dedup and poison rows (internal/engine)
 	st  store
 
 	mu   sync.RWMutex
@@ -89,8 +90,8 @@ type Orchestrator struct {
 	// maxLocal is the most savepoints one transition of a registered definition can take: its
 	// local actions and local compensations, and an OnReplyTx handler (saga/local.go).
 	maxLocal int
-	tr       *tracing.Tracer   // trace.go
-	retry    inbox.RetryPolicy // Handler's, built once
+	tr       *tracing.Tracer    // trace.go
+	retry    engine.RetryPolicy // Handler's, built once
 }
 
 // maxSavepoints bounds the savepoints of one transaction: beyond 64 subtransactions
@@ -152,32 +153,26 @@ func NewOrchestrator(cfg OrchestratorConfig) (*Orchestrator, error) {
 	if cfg.Pool == nil {
 		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool of the database holding the saga tables"))
 	}
-	if err := pgsql.ValidateSchema(cfg.Schema); err != nil {
-		problems = append(problems, err)
-	}
+	problems = append(problems, engine.Check(cfg.Pool, cfg.Schema, cfg.Consumer, cfg.CommitTimeout)...)
 	if cfg.TimerInterval < 10*time.Millisecond {
 		problems = append(problems, fmt.Errorf("TimerInterval is %s; use 0 for the default (%s) or at least 10ms", cfg.TimerInterval, DefaultTimerInterval))
 	}
 	if cfg.TimerBatch < 1 || cfg.TimerBatch > 60 {
 		problems = append(problems, fmt.Errorf("TimerBatch is %d; use 0 for the default (%d) or 1..60", cfg.TimerBatch, DefaultTimerBatch))
 	}
-	var ib *inbox.Inbox
-	if len(problems) == 0 {
+	if cfg.Writer == nil && len(problems) == 0 {
 		var err error
-		if cfg.Writer == nil {
-			if cfg.Writer, err = outbox.NewWriter(outbox.Config{Schema: cfg.Schema, TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator}); err != nil {
-				problems = append(problems, err)
-			}
-		}
-		if ib, err = inbox.New(inbox.Config{Pool: cfg.Pool, Schema: cfg.Schema, Consumer: cfg.Consumer, Writer: cfg.Writer, Logger: cfg.Logger}); err != nil {
+		if cfg.Writer, err = outbox.NewWriter(outbox.Config{Schema: cfg.Schema, TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator}); err != nil {
 			problems = append(problems, err)
 		}
 	}
 	if err := config.Check("saga orchestrator", problems...); err != nil {
 		return nil, err
 	}
-	return &Orchestrator{cfg: cfg, ib: ib, st: newStore(cfg.Schema), defs: map[defKey]definition{},
-		retry: inbox.RetryPolicy{MaxAttempts: cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff, Logger: cfg.Logger},
+	run := engine.New(engine.Config{Pool: cfg.Pool, Schema: cfg.Schema, Consumer: cfg.Consumer,
+		What: fmt.Sprintf("saga orchestrator %q", cfg.Consumer), CommitTimeout: cfg.CommitTimeout, Logger: cfg.Logger})
+	return &Orchestrator{cfg: cfg, run: run, st: newStore(cfg.Schema), defs: map[defKey]definition{},
+		retry: engine.NewRetryPolicy(cfg.MaxAttempts, 0, 0, cfg.Logger),
 		tr:    tracing.New(cfg.TracerProvider, cfg.Propagator)}, nil
 }
 
@@ -269,27 +264,22 @@ func (o *Orchestrator) Handler(msg *message.Message) error {
 // in tx (OnReplyTx, local steps, the ending hook); storing it is the caller's. Replies
 // (ProcessBatch) and timers (fireBatch) both go through it. A panic in the definition's code
 // is returned as an error.
-func (o *Orchestrator) advance(ctx context.Context, tx pgx.Tx, def definition, in *instance, now time.Time, ev event) (fx *effects, err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			fx, err = nil, fmt.Errorf("saga %q (%s): %w: %v", in.ID, in.Name, errPanicked, r)
+func (o *Orchestrator) advance(ctx context.Context, tx pgx.Tx, def definition, in *instance, now time.Time, ev event) (*effects, error) {
+	fx, err := engine.Call(func() (*effects, error) {
+		m := &machine{def: def, now: now, in: in, replyTx: runReplyTx(ctx, tx, def, in)}
+		if err := m.apply(ev); err != nil {
+			return nil, err
 		}
-	}()
-	m := &machine{def: def, now: now, in: in, replyTx: runReplyTx(ctx, tx, def, in)}
-	if err := m.apply(ev); err != nil {
+		if m.fx.stale != "" {
+			return &m.fx, nil // nothing changes; a reply's dedup row still commits
+		}
+		return &m.fx, runLocals(ctx, tx, m)
+	})
+	if err != nil {
 		return nil, fmt.Errorf("saga %q (%s): %w", in.ID, in.Name, err)
 	}
-	if m.fx.stale != "" {
-		return &m.fx, nil // nothing changes; a reply's dedup row still commits
-	}
-	if err := runLocals(ctx, tx, m); err != nil {
-		return nil, err
-	}
-	return &m.fx, nil
+	return fx, nil
 }
-
-// errPanicked is wrapped by the error of a transition whose definition code panicked.
-var errPanicked = errors.New("panic in the saga definition's code")
 
 func (o *Orchestrator) observe(in *instance, fx *effects, now time.Time) {
 	observeLocal(o.cfg.Metrics, in, fx)
@@ -387,7 +377,7 @@ func (o *Orchestrator) FireDue(ctx context.Context) (int, error) {
 		n, err := o.fireBatch(ctx, 1)
 		var te *timerError
 		switch {
-		case errors.As(err, &te) && errors.Is(te.err, errPanicked):
+		case errors.As(err, &te) && errors.Is(te.err, engine.ErrPanicked):
 			// Firing it again would only panic again: the saga stops, with the panic as its
 			// error, until an operator resumes it.
 			o.cfg.Logger.Error("saga: stuck: a timer's transition panicked; resume it with `onceflow saga retry` once the cause is fixed",
@@ -453,41 +443,57 @@ func (o *Orchestrator) postpone(ctx context.Context, sagaID, kind string) error 
 	return nil
 }
 
-func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (_ int, err error) {
-	tx, err := o.cfg.Pool.Begin(ctx)
-	if err != nil {
-		return 0, fmt.Errorf("saga: begin transaction: %w", err)
-	}
-	defer rollback(tx)
-	dues, err := o.st.claimDueTx(ctx, tx, limit)
-	if err != nil || len(dues) == 0 {
-		return 0, err
-	}
-	type done struct {
-		in   *instance
-		fx   *effects
-		now  time.Time
-		span trace.Span
-	}
-	var fired []done
-	defer func() {
-		for _, f := range fired {
-			endMessage(f.span, err)
+// fireBatch fires up to limit due timers in one transaction of the engine (timerBatch) and
+// returns how many it fired.
+func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (int, error) {
+	u := &timerBatch{o: o, limit: limit}
+	res, err := o.run.Run(ctx, limit, u)
+	for _, f := range u.fired {
+		endMessage(f.span, err)
+		if err == nil && res.Outcome == engine.Applied {
+			o.observe(f.in, f.fx, f.now)
 		}
-	}()
-	for _, d := range dues {
+	}
+	return len(res.Applied), err
+}
+
+// timerBatch is the orchestrator's part of a transaction of due timers (engine.Unit): each
+// timer is claimed with its saga row (SKIP LOCKED), deleted, and its transition applied and
+// stored.
+type timerBatch struct {
+	o     *Orchestrator
+	limit int
+	fired []firedTimer
+}
+
+type firedTimer struct {
+	in   *instance
+	fx   *effects
+	now  time.Time
+	span trace.Span
+}
+
+// Apply implements engine.Unit. A transition that fails is a *timerError naming its saga.
+func (u *timerBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
+	o := u.o
+	dues, err := o.st.claimDueTx(ctx, tx, u.limit)
+	if err != nil {
+		return nil, err
+	}
+	applied := make([]int, 0, len(dues))
+	for i, d := range dues {
 		in, now, err := o.st.load(ctx, tx, d.sagaID, true)
 		if err != nil {
-			return 0, &timerError{d.sagaID, d.t.Kind, err}
+			return nil, &timerError{d.sagaID, d.t.Kind, err}
 		}
 		def, err := o.lookup(in.Name, in.Version)
 		if err != nil {
-			return 0, &timerError{d.sagaID, d.t.Kind, err}
+			return nil, &timerError{d.sagaID, d.t.Kind, err}
 		}
 		// The timer fires once: deleted in this transaction, before the transition may set the
 		// next one of its kind.
 		if _, err := tx.Exec(ctx, o.st.delTimer, d.sagaID, d.t.Kind); err != nil {
-			return 0, fmt.Errorf("saga: delete timer: %w", o.st.explain(err))
+			return nil, fmt.Errorf("saga: delete timer: %w", o.st.explain(err))
 		}
 		t := d.t
 		tctx, span := startTimer(ctx, o.tr, in, t)
@@ -495,38 +501,18 @@ func (o *Orchestrator) fireBatch(ctx context.Context, limit int) (_ int, err err
 		if err == nil && fx.stale == "" {
 			err = o.st.saveTx(tctx, tx, o.cfg.Writer, in, fx)
 		}
-		fired = append(fired, done{in, fx, now, span})
+		u.fired = append(u.fired, firedTimer{in, fx, now, span})
 		if err != nil {
-			return 0, &timerError{d.sagaID, d.t.Kind, err}
+			return nil, &timerError{d.sagaID, d.t.Kind, err}
 		}
 		noteTransition(tctx, in, fx)
+		applied = append(applied, i)
 	}
-	if err := commit(ctx, tx); err != nil {
-		return 0, err
-	}
-	for _, f := range fired {
-		o.observe(f.in, f.fx, f.now)
-	}
-	return len(dues), nil
+	return applied, nil
 }
 
-func rollback(tx pgx.Tx) {
-	ctx, cancel := context.WithTimeout(context.Background(), commitTimeout)
-	defer cancel()
-	_ = tx.Rollback(ctx) // a no-op after Commit; on a broken connection the server aborts it
-}
-
-// commit commits on a context detached from ctx's cancellation, with its own timeout: the
-// work is done, and a cancelled message context (a rebalance, a closing subscriber) must not
-// throw it away to be redone.
-func commit(ctx context.Context, tx pgx.Tx) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), commitTimeout)
-	defer cancel()
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("saga: commit: %w", err)
-	}
-	return nil
-}
+// Write implements engine.Unit: each transition was stored as it was applied.
+func (u *timerBatch) Write(context.Context, pgx.Tx) error { return nil }
 
 // observeLocal counts a committed transition's local runs.
 func observeLocal(m Metrics, in *instance, fx *effects) {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"time"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
@@ -14,8 +15,8 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/internal/tracing"
 	"github.com/onceflow/onceflow/outbox"
@@ -72,6 +73,10 @@ type ParticipantConfig struct {
 	// error. Default DefaultMaxAttempts. (The batched consumer has its own,
 	// inboxkafka.BatchConfig.MaxAttempts.)
 	MaxAttempts int
+	// CommitTimeout bounds the writes and the COMMIT that follow successful handlers (the
+	// replies, the barrier's results), which run detached from the message's cancellation.
+	// Default inbox.DefaultCommitTimeout (30 s), as every consumer's; negative is refused.
+	CommitTimeout time.Duration
 	// TracerProvider records a `process <command topic>` span per command, child of the
 	// command's creation context, so the reply it writes continues the saga's trace. Default
 	// nil: the global provider. Propagator: default nil, the global one or W3C trace
@@ -94,14 +99,14 @@ type ParticipantConfig struct {
 // Run its handlers without the inbox middleware: they deduplicate themselves.
 type Participant struct {
 	cfg ParticipantConfig
-	ib  *inbox.Inbox
+	run *engine.Runner  // its transactions, dedup and poison rows (internal/engine)
 	tr  *tracing.Tracer // trace.go
 	// keepResultSQL stores actions' results with their barrier rows; resultSQL reads them.
 	keepResultSQL, resultSQL string
 	// releaseSQL deletes a barrier key claimed for commands that turned out to be duplicates.
 	releaseSQL string
 	// retry is the policy of the per-message handlers (Action, Compensation), built once.
-	retry inbox.RetryPolicy
+	retry engine.RetryPolicy
 }
 
 // NewParticipant validates cfg, reporting every problem at once (*ConfigError).
@@ -122,6 +127,10 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 	if cfg.MaxAttempts < 1 {
 		problems = append(problems, fmt.Errorf("MaxAttempts is %d; use 0 for the default (%d) or a positive number", cfg.MaxAttempts, DefaultMaxAttempts))
 	}
+	if cfg.Pool == nil {
+		problems = append(problems, errors.New("Pool is nil; pass the *pgxpool.Pool of the database holding processed_event and the outbox"))
+	}
+	problems = append(problems, engine.Check(cfg.Pool, cfg.Schema, cfg.Consumer, cfg.CommitTimeout)...)
 	if cfg.Writer == nil {
 		w, err := outbox.NewWriter(outbox.Config{Schema: cfg.Schema, TracerProvider: cfg.TracerProvider, Propagator: cfg.Propagator})
 		if err != nil {
@@ -129,18 +138,13 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 		}
 		cfg.Writer = w
 	}
-	ib, err := inbox.New(inbox.Config{Pool: cfg.Pool, Schema: cfg.Schema, Consumer: cfg.Consumer, Writer: cfg.Writer, Logger: cfg.Logger})
-	var ce *ConfigError
-	if errors.As(err, &ce) {
-		problems = append(problems, ce.Problems...)
-	} else if err != nil {
-		problems = append(problems, err)
-	}
 	if err := config.Check("saga participant", problems...); err != nil {
 		return nil, err
 	}
 	pe := pgsql.Table(cfg.Schema, "processed_event")
-	return &Participant{cfg: cfg, ib: ib, tr: tracing.New(cfg.TracerProvider, cfg.Propagator),
+	run := engine.New(engine.Config{Pool: cfg.Pool, Schema: cfg.Schema, Consumer: cfg.Consumer,
+		What: fmt.Sprintf("saga participant %q", cfg.Consumer), CommitTimeout: cfg.CommitTimeout, Logger: cfg.Logger})
+	return &Participant{cfg: cfg, run: run, tr: tracing.New(cfg.TracerProvider, cfg.Propagator),
 		// One statement per action, pipelined: an UPDATE … FROM unnest(…) is planned for 100
 		// rows and may scan the whole table instead of using the primary key.
 		keepResultSQL: `UPDATE ` + pe + ` SET result = $3 WHERE consumer = $1 AND dedup_key = $2`,
@@ -151,8 +155,7 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 		// One statement per key, pipelined, like keepResultSQL (a DELETE by `ANY($2)` or a join
 		// with unnest(…) gets plans that read every row of the consumer).
 		releaseSQL: `DELETE FROM ` + pe + ` WHERE consumer = $1 AND dedup_key = $2`,
-		retry: inbox.RetryPolicy{MaxAttempts: cfg.MaxAttempts, Backoff: DefaultRetryBackoff, MaxBackoff: maxRetryBackoff,
-			Logger: cfg.Logger.With("consumer", cfg.Consumer)},
+		retry:      engine.NewRetryPolicy(cfg.MaxAttempts, 0, 0, cfg.Logger.With("consumer", cfg.Consumer)),
 	}, nil
 }
 
@@ -250,177 +253,216 @@ func (p *Participant) handle(msg *message.Message, phase outbox.SagaPhase, run s
 	return p.retry.ApplyOne(msg.Context(), sp, msg, "", nil)
 }
 
-// runBatch runs cmds in one transaction: their dedup keys claimed in one statement, the
-// barrier's keys claimed and read in one round trip and decided by decideBarrier, the
-// handlers run in order, the actions' results and every reply written in one round trip, one
-// commit. When a handler returns Fail or Retry it stops and returns that command's index and
-// outcome (nothing is kept): the caller runs the batch again with that outcome decided.
-func (p *Participant) runBatch(ctx context.Context, phase outbox.SagaPhase, cmds []*command, run stepRun) (int, *outcomeError, error) {
-	tx, err := p.cfg.Pool.Begin(ctx)
-	if err != nil {
-		return 0, nil, fmt.Errorf("saga participant %q: begin transaction: %w", p.cfg.Consumer, err)
+// commandBatch is a participant's part of a transaction of commands (engine.Unit): their
+// dedup keys claimed in one statement, the barrier's keys claimed and read in one round trip
+// and decided by decideBarrier, the handlers run in order, the actions' results and every
+// reply written in one round trip. When a handler returns Fail or Retry, Apply stops with a
+// *decided error (nothing is kept): the caller runs the batch again with that outcome decided.
+type commandBatch struct {
+	p     *Participant
+	phase outbox.SagaPhase
+	cmds  []*command
+	run   stepRun
+	// Write's: barrier keys to give back, the actions' results to keep with their barrier
+	// rows, and the replies (origin[i]: the index in the batch of the command replies[i]
+	// answers).
+	release, kept []string
+	keptResults   [][]byte
+	replies       []*message.Message
+	origin        []int
+}
+
+// decided is a handler's Fail or Retry: its batch is rolled back and run again with the
+// outcome of cmds[index] decided.
+type decided struct {
+	index   int
+	outcome *outcomeError
+}
+
+func (d *decided) Error() string { return d.outcome.Error() }
+
+// Apply implements engine.Unit.
+func (u *commandBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
+	bc, err := u.p.claim(ctx, tx, u.cmds)
+	if err != nil || len(bc.fresh) == 0 {
+		return nil, err // all duplicates: nothing to commit
 	}
-	defer rollback(tx)
-	if err := inbox.TakeTurnTx(ctx, tx, p.cfg.Consumer); err != nil {
-		return 0, nil, err
-	}
-	// One round trip: the commands' dedup claims, then the barrier's (see claim).
-	fresh, verdicts, results, release, err := p.claim(ctx, tx, cmds)
-	if err != nil || len(fresh) == 0 {
-		return 0, nil, err // all duplicates: nothing to commit
-	}
-	var replies []*message.Message
-	var origin []int         // index in the batch of the command replies[i] answers
-	var kept []string        // action keys whose handler ran
-	var keptResults [][]byte // and what they returned
-	for i, c := range fresh {
+	u.release = bc.release
+	applied := make([]int, 0, len(bc.fresh))
+	for i, c := range bc.fresh {
+		applied = append(applied, c.index) // its dedup row commits
 		payload, outcome, reason := []byte("{}"), outbox.SagaOutcomeDone, ""
-		replyCtx := ctx
+		var replyCtx context.Context
 		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
-		switch verdicts[i] {
+		switch bc.verdicts[i] {
 		case verdictDecided:
 			outcome, reason = c.outcome.outcome, c.outcome.reason
 		case verdictHanging:
-			p.skip(c.ref, BarrierHangingAction, "the action arrived after its compensation")
-			continue // its dedup row commits; no reply
+			u.p.skip(c.ref, BarrierHangingAction, "the action arrived after its compensation")
+			continue // no reply
 		case verdictTookEffect:
-			p.skip(c.ref, BarrierDuplicate, "an earlier attempt took effect; answered with the result it kept")
-			if r := results[actionKey]; r != nil {
+			u.p.skip(c.ref, BarrierDuplicate, "an earlier attempt took effect; answered with the result it kept")
+			if r := bc.results[actionKey]; r != nil {
 				payload = r
 			}
 		case verdictCompensated:
-			p.skip(c.ref, BarrierDuplicate, "an earlier attempt compensated; answered as done")
+			u.p.skip(c.ref, BarrierDuplicate, "an earlier attempt compensated; answered as done")
 		case verdictNullCompensation:
 			// The action never ran; its key is now taken, so it never will. Nothing to undo.
-			p.skip(c.ref, BarrierNullCompensation, "the action never ran")
+			u.p.skip(c.ref, BarrierNullCompensation, "the action never ran")
 		case verdictRun:
-			mctx, span := startMessage(p.tr, c.msg, c.ref, p.cfg.Consumer)
-			replyCtx = mctx
-			out, err := p.runHandler(mctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
-				return run(ctx, tx, c.msg, results[actionKey])
-			})
-			endMessage(span, err)
-			var oe *outcomeError
-			switch {
-			case errors.As(err, &oe):
-				return c.index, oe, nil
-			case err != nil && ctx.Err() != nil:
-				return 0, nil, fmt.Errorf("saga participant %q: %w", p.cfg.Consumer, err)
-			case err != nil:
-				// A deadlock, a lost connection: the batch's; anything else the command's.
-				return 0, nil, inbox.Blame(err, tx.Conn(), c.index)
+			if replyCtx, payload, err = u.runStep(ctx, tx, c, bc.results[actionKey]); err != nil {
+				return nil, err
 			}
-			payload = out
-			if phase == outbox.SagaPhaseAction {
-				results[actionKey] = out // a later attempt in this batch is answered with it
-				kept = append(kept, actionKey)
-				keptResults = append(keptResults, out)
+			if u.phase == outbox.SagaPhaseAction {
+				bc.results[actionKey] = payload // a later attempt in this batch is answered with it
+				u.kept = append(u.kept, actionKey)
+				u.keptResults = append(u.keptResults, payload)
 			}
 		}
-		reply := p.reply(c.msg, c.ref, c.replyTo, outcome, reason, payload)
-		if verdicts[i] == verdictRun {
+		reply := u.p.reply(c.msg, c.ref, c.replyTo, outcome, reason, payload)
+		if bc.verdicts[i] == verdictRun {
 			reply.SetContext(replyCtx) // its `create` span continues the command's trace
 		}
-		replies = append(replies, reply)
-		origin = append(origin, c.index)
+		u.replies = append(u.replies, reply)
+		u.origin = append(u.origin, c.index)
 	}
-	// One round trip: the barrier keys claimed for duplicates given back, the actions'
-	// results kept with their barrier rows, and every reply.
-	b := &pgx.Batch{}
-	for _, k := range release {
-		b.Queue(p.releaseSQL, p.cfg.Consumer, k)
-	}
-	for i, k := range kept {
-		b.Queue(p.keepResultSQL, p.cfg.Consumer, k, keptResults[i])
-	}
-	if len(replies) > 0 {
-		if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", replies...); err != nil {
-			return 0, nil, refusedBy(origin, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), err))
-		}
-	}
-	if b.Len() > 0 {
-		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			return 0, nil, fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(replies), schemaError(p.cfg.Schema, err))
-		}
-	}
-	return 0, nil, commitBlamed(ctx, tx, cmds)
+	return applied, nil
 }
 
-// claim claims the commands' dedup keys and the barrier's keys in one round trip, and
-// decides each new command (decideBarrier). fresh are the commands not seen before, in batch
-// order, verdicts[i] is fresh[i]'s; results holds what the steps' actions kept (by action
-// key), for compensations and for later attempts of actions that took effect.
-//
-// Every command whose outcome is not decided claims its step's action key (a compensation
-// also its own key): the claims lock in key order — an action key sorts before its
-// compensation's — so an action and its compensation wait for each other instead of
-// deadlocking. An action's batch then reads which compensations committed, after its claims,
-// which waited for concurrent compensations. The barrier keys are claimed before the commands'
-// claims are known (one round trip rather than two): release lists the keys claimed only for
-// commands that turned out to be duplicates, to be deleted before the commit.
-func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fresh []*command, verdicts []barrierVerdict,
-	results map[string][]byte, release []string, err error,
-) {
-	keys := make([]string, len(cmds))
-	var claim, seenKeys, actionKeys []string
-	inClaim := map[string]bool{}
-	reads := map[string]bool{} // action keys in actionKeys
-	for i, c := range cmds {
-		keys[i] = c.key
+// runStep runs the step's handler for c in its `process` span and returns the span's context
+// and the reply's payload. Fail and Retry come back as *decided; any other error is blamed by
+// the engine's rule (the transaction's, or the command's).
+func (u *commandBatch) runStep(ctx context.Context, tx pgx.Tx, c *command, actionResult []byte) (context.Context, []byte, error) {
+	mctx, span := startMessage(u.p.tr, c.msg, c.ref, u.p.cfg.Consumer)
+	out, err := u.p.runHandler(mctx, tx, func(ctx context.Context, tx pgx.Tx) ([]byte, error) {
+		return u.run(ctx, tx, c.msg, actionResult)
+	})
+	endMessage(span, err)
+	var oe *outcomeError
+	if errors.As(err, &oe) {
+		return nil, nil, &decided{c.index, oe}
+	}
+	return mctx, out, engine.Blame(ctx, err, tx.Conn(), c.index)
+}
+
+// Write implements engine.Unit: one round trip with the barrier keys claimed for duplicates
+// given back, the actions' results kept with their barrier rows, and every reply.
+func (u *commandBatch) Write(ctx context.Context, tx pgx.Tx) error {
+	p := u.p
+	b := &pgx.Batch{}
+	for _, k := range u.release {
+		b.Queue(p.releaseSQL, p.cfg.Consumer, k)
+	}
+	for i, k := range u.kept {
+		b.Queue(p.keepResultSQL, p.cfg.Consumer, k, u.keptResults[i])
+	}
+	if len(u.replies) > 0 {
+		if err := p.cfg.Writer.QueueWriteTx(ctx, b, "", u.replies...); err != nil {
+			return engine.Refused(fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(u.replies), err), u.origin)
+		}
+	}
+	if b.Len() == 0 {
+		return nil
+	}
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("saga participant %q: write %d replies: %w", p.cfg.Consumer, len(u.replies), schemaError(p.cfg.Schema, err))
+	}
+	return nil
+}
+
+// barrierClaim is what claim found: the commands not seen before (fresh, in batch order),
+// each with its barrier verdict; what the steps' actions kept, by action key (for
+// compensations, and for later attempts of actions that took effect); and the barrier keys
+// claimed only for commands that turned out to be duplicates, given back before the commit.
+type barrierClaim struct {
+	fresh    []*command
+	verdicts []barrierVerdict
+	results  map[string][]byte
+	release  []string
+}
+
+// barrierKeys are the barrier statements of a batch: the keys to claim (each step's action
+// key, a compensation's own key too), the compensation keys only to look up, and the action
+// keys whose kept results to read.
+type barrierKeys struct {
+	claim, seen, read []string
+	claiming, reading map[string]bool
+}
+
+// plan lists the barrier keys of the commands whose outcome is not decided. Claims lock in key
+// order — an action key sorts before its compensation's — so an action and its compensation
+// wait for each other instead of deadlocking.
+func plan(cmds []*command) barrierKeys {
+	k := barrierKeys{claiming: map[string]bool{}, reading: map[string]bool{}}
+	add := func(list *[]string, set map[string]bool, key string) {
+		if !set[key] {
+			set[key] = true
+			*list = append(*list, key)
+		}
+	}
+	for _, c := range cmds {
 		if c.outcome != nil {
 			continue
 		}
 		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
-		compKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)
-		if !inClaim[actionKey] {
-			inClaim[actionKey] = true
-			claim = append(claim, actionKey)
-		}
-		if (c.ref.Phase == outbox.SagaPhaseCompensation || c.ref.Attempt > 1) && !reads[actionKey] {
-			reads[actionKey] = true
+		add(&k.claim, k.claiming, actionKey)
+		if c.ref.Phase == outbox.SagaPhaseCompensation || c.ref.Attempt > 1 {
 			// A compensation reads what its action kept, a later attempt what an earlier one
 			// kept. A first attempt finds its action key taken only by a compensation (it is
-			// then skipped) or after its own dedup row was removed (read below).
-			actionKeys = append(actionKeys, actionKey)
+			// then skipped) or after its own dedup row was removed (read after the claims).
+			add(&k.read, k.reading, actionKey)
 		}
-		if c.ref.Phase == outbox.SagaPhaseCompensation && !inClaim[compKey] {
-			inClaim[compKey] = true
-			claim = append(claim, compKey)
+		if c.ref.Phase == outbox.SagaPhaseCompensation {
+			add(&k.claim, k.claiming, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
 		}
 	}
 	for _, c := range cmds {
-		if compKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation); c.outcome == nil && !inClaim[compKey] {
-			seenKeys = append(seenKeys, compKey)
+		if compKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation); c.outcome == nil && !k.claiming[compKey] {
+			k.seen = append(k.seen, compKey)
 		}
 	}
+	return k
+}
+
+// claim claims the commands' dedup keys and the barrier's keys in one round trip, and decides
+// each new command (decideBarrier). An action's batch reads which compensations committed after
+// its claims, which waited for concurrent compensations. The barrier keys are claimed before the
+// commands' claims are known (one round trip rather than two), hence release.
+func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (*barrierClaim, error) {
+	keys := make([]string, len(cmds))
+	for i, c := range cmds {
+		keys[i] = c.key
+	}
+	k := plan(cmds)
 	var claimed, got, seen []bool
-	results = map[string][]byte{}
+	bc := &barrierClaim{results: map[string][]byte{}}
 	b := &pgx.Batch{}
-	if err := p.ib.QueueClaimMany(b, keys, &claimed); err != nil {
-		return nil, nil, nil, nil, err
+	if err := p.run.QueueClaim(b, keys, &claimed); err != nil {
+		return nil, err
 	}
-	if len(claim) > 0 {
-		if err := p.ib.QueueClaimMany(b, claim, &got); err != nil {
-			return nil, nil, nil, nil, err
+	if len(k.claim) > 0 {
+		if err := p.run.QueueClaim(b, k.claim, &got); err != nil {
+			return nil, err
 		}
-		if len(seenKeys) > 0 {
-			if err := p.ib.QueueSeenMany(b, seenKeys, &seen); err != nil {
-				return nil, nil, nil, nil, err
+		if len(k.seen) > 0 {
+			if err := p.run.QueueSeen(b, k.seen, &seen); err != nil {
+				return nil, err
 			}
 		}
-		if len(actionKeys) > 0 {
-			p.queueResults(b, actionKeys, results)
+		if len(k.read) > 0 {
+			p.queueResults(b, k.read, bc.results)
 		}
 	}
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
-		return nil, nil, nil, nil, fmt.Errorf("saga participant %q: claim %d commands and their barrier: %w", p.cfg.Consumer, len(cmds), schemaError(p.cfg.Schema, err))
+		return nil, fmt.Errorf("saga participant %q: claim %d commands and their barrier: %w", p.cfg.Consumer, len(cmds), schemaError(p.cfg.Schema, err))
 	}
 	taken := map[string]bool{} // barrier key → it existed before this transaction
-	for i, k := range claim {
-		taken[k] = !got[i] // claim holds distinct keys: got[i] is k's own
+	for i, key := range k.claim {
+		taken[key] = !got[i] // claim holds distinct keys: got[i] is key's own
 	}
-	for i, k := range seenKeys {
-		taken[k] = taken[k] || seen[i]
+	for i, key := range k.seen {
+		taken[key] = taken[key] || seen[i]
 	}
 	used := map[string]bool{} // barrier keys of new commands
 	var unread []string       // action keys taken before whose results were not read
@@ -429,29 +471,35 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 			p.skip(c.ref, BarrierDuplicate, "the same command again")
 			continue
 		}
-		fresh = append(fresh, c)
+		bc.fresh = append(bc.fresh, c)
 		if c.outcome == nil {
 			actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
-			used[actionKey] = true
-			used[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)] = true
-			if taken[actionKey] && !reads[actionKey] {
-				reads[actionKey] = true
+			used[actionKey], used[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)] = true, true
+			if taken[actionKey] && !k.reading[actionKey] {
+				k.reading[actionKey] = true
 				unread = append(unread, actionKey)
 			}
 		}
 	}
 	if len(unread) > 0 {
 		b := &pgx.Batch{}
-		p.queueResults(b, unread, results)
+		p.queueResults(b, unread, bc.results)
 		if err := tx.SendBatch(ctx, b).Close(); err != nil {
-			return nil, nil, nil, nil, fmt.Errorf("saga participant %q: read %d actions' results: %w", p.cfg.Consumer, len(unread), schemaError(p.cfg.Schema, err))
+			return nil, fmt.Errorf("saga participant %q: read %d actions' results: %w", p.cfg.Consumer, len(unread), schemaError(p.cfg.Schema, err))
 		}
 	}
-	for i, k := range claim {
-		if got[i] && !used[k] {
-			release = append(release, k) // claimed for a duplicate only
+	for i, key := range k.claim {
+		if got[i] && !used[key] {
+			bc.release = append(bc.release, key) // claimed for a duplicate only
 		}
 	}
+	bc.verdicts = decide(bc.fresh, taken)
+	return bc, nil
+}
+
+// decide runs decideBarrier on the new commands, with what each step's barrier keys held
+// before this transaction (taken).
+func decide(fresh []*command, taken map[string]bool) []barrierVerdict {
 	before := map[stepID]barrierState{}
 	in := make([]barrierCmd, len(fresh))
 	for i, c := range fresh {
@@ -461,7 +509,7 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (fr
 		}
 		in[i] = barrierCmd{Saga: c.ref.ID, Step: c.ref.Step, Phase: c.ref.Phase, Decided: c.outcome != nil}
 	}
-	return fresh, decideBarrier(in, before), results, release, nil
+	return decideBarrier(in, before)
 }
 
 // queueResults queues the read of what the actions of keys kept into results.
@@ -479,31 +527,14 @@ func (p *Participant) queueResults(b *pgx.Batch, keys []string, results map[stri
 	})
 }
 
-// commitBlamed commits a participant's batch: a failure at COMMIT is the batch's when
-// transient, else the command's (a deferred constraint of the handler's), see
-// inbox.BlameCommit.
-func commitBlamed(ctx context.Context, tx pgx.Tx, cmds []*command) error {
-	if err := commit(ctx, tx); err != nil {
-		return inbox.BlameCommit(err, tx.Conn(), len(cmds), func(i int) int { return cmds[i].index })
-	}
-	return nil
-}
-
 // runHandler runs the handler on a view of tx that it cannot end. A handler that tried to end
 // it (COMMIT in SQL) or left it aborted fails the command, whatever it returned: its writes
 // cannot be trusted to be whole.
-func (p *Participant) runHandler(ctx context.Context, tx pgx.Tx, run func(context.Context, pgx.Tx) ([]byte, error)) (payload []byte, err error) {
+func (p *Participant) runHandler(ctx context.Context, tx pgx.Tx, run func(context.Context, pgx.Tx) ([]byte, error)) ([]byte, error) {
 	view, done := pgsql.ManagedTx(tx, errTxManaged)
-	func() {
-		defer func() {
-			if r := recover(); r != nil {
-				err = fmt.Errorf("saga participant %q: the handler panicked: %v", p.cfg.Consumer, r)
-			}
-		}()
-		payload, err = run(ctx, view)
-	}()
+	payload, err := engine.Call(func() ([]byte, error) { return run(ctx, view) })
 	// The handler's own error wins: it says why the transaction is aborted (a deadlock is
-	// the batch's, not the command's).
+	// the transaction's, not the command's).
 	if misuse := done(); misuse != nil && err == nil {
 		return nil, fmt.Errorf("saga participant %q: %w", p.cfg.Consumer, misuse)
 	}

@@ -26,7 +26,7 @@ func TestGivenUpSagaMessagesRefuseReplay(t *testing.T) {
 	reply := outbox.SetSaga(outbox.NewMessage([]byte(`{"id":"r-1"}`)), outbox.SagaRef{ID: id, Step: "reserve", Phase: outbox.SagaPhaseAction, Attempt: 1})
 	reply.Metadata.Set(outbox.MetadataSagaName, "checkout")
 	reply.Metadata.Set(outbox.MetadataSagaOutcome, outbox.SagaOutcomeDone)
-	if err := w.orch.SettlePoison(ctx, reply, inbox.Poison{Attempts: 5, Err: errors.New("OnReply: bug")}); err != nil {
+	if err := w.orch.SettlePoison(ctx, reply, inbox.GiveUp{Attempts: 5, Err: errors.New("OnReply: bug")}); err != nil {
 		t.Fatal(err)
 	}
 	if d := w.get(id); d.State != saga.StateStuck {
@@ -34,7 +34,7 @@ func TestGivenUpSagaMessagesRefuseReplay(t *testing.T) {
 	}
 	proc := saga.ActionProcessor(w.participant("charge"), w.action("charge"))
 	invalid := outbox.NewMessage([]byte(`{}`)) // no saga metadata
-	if err := proc.SettlePoison(ctx, invalid, inbox.Poison{Attempts: 1, Err: errors.New("not a command")}); err != nil {
+	if err := proc.SettlePoison(ctx, invalid, inbox.GiveUp{Attempts: 1, Err: errors.New("not a command")}); err != nil {
 		t.Fatal(err)
 	}
 	if n := w.count(`SELECT count(*) FROM ` + w.db.Schema + `.inbox_poison`); n != 2 {

@@ -143,7 +143,7 @@ func TestSettlingAnAppliedReplyLeavesTheSagaAlone(t *testing.T) {
 	if d := w.get(id); d.State != saga.StateRunning || d.Step != "charge" {
 		t.Fatalf("after the reply: %s at %s", d.State, d.Step)
 	}
-	if err := w.orch.SettlePoison(context.Background(), reply, inbox.Poison{Attempts: 5, Err: errors.New("saga: commit: conn closed")}); err != nil {
+	if err := w.orch.SettlePoison(context.Background(), reply, inbox.GiveUp{Attempts: 5, Err: errors.New("saga: commit: conn closed")}); err != nil {
 		t.Fatal(err)
 	}
 	if d := w.get(id); d.State != saga.StateRunning || d.Step != "charge" || d.Error != "" {

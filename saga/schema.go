@@ -15,11 +15,15 @@ import (
 // nil, or an error wrapping migrations.ErrNotMigrated that lists the missing steps and names
 // the command to run. Call it at start-up, before the router and Run start, to fail fast
 // instead of on the first reply or timer.
-func (o *Orchestrator) CheckSchema(ctx context.Context) error { return o.ib.CheckSchema(ctx) }
+func (o *Orchestrator) CheckSchema(ctx context.Context) error {
+	return migrations.Validate(ctx, o.cfg.Pool, migrations.Options{Schema: o.cfg.Schema, Logger: o.cfg.Logger})
+}
 
 // CheckSchema reports whether the participant's schema is fully migrated, like
 // Orchestrator.CheckSchema. Call it at start-up, before the router runs.
-func (p *Participant) CheckSchema(ctx context.Context) error { return p.ib.CheckSchema(ctx) }
+func (p *Participant) CheckSchema(ctx context.Context) error {
+	return migrations.Validate(ctx, p.cfg.Pool, migrations.Options{Schema: p.cfg.Schema, Logger: p.cfg.Logger})
+}
 
 // undefinedColumn is SQLSTATE 42703: a column a later migration adds (processed_event.result,
 // 0009) is missing.

@@ -14,7 +14,7 @@ import (
 	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
-	engine "github.com/onceflow/onceflow/internal/retention"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/retention"
 	"github.com/onceflow/onceflow/saga"
 )
@@ -128,7 +128,7 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 	window, err := time.ParseDuration(*windowText)
 	if err != nil {
 		problems = append(problems, fmt.Errorf("--window %q is not a duration (e.g. 72h)", *windowText))
-	} else if err := engine.CheckWindow("--window", window, *allowShort, "--allow-short-window"); err != nil {
+	} else if err := cleaning.CheckWindow("--window", window, *allowShort, "--allow-short-window"); err != nil {
 		problems = append(problems, err)
 	}
 	if *batchSize <= 0 {
@@ -202,7 +202,7 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 		_, err := cleanAll(ctx)
 		return err
 	}
-	err = engine.Run(ctx, schedule, logger, cleanAll)
+	err = cleaning.Run(ctx, schedule, logger, cleanAll)
 	if errors.Is(err, context.Canceled) {
 		return nil // stopped by SIGTERM or Ctrl-C: a normal end for a scheduled cleaner
 	}

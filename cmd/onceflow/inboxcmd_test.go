@@ -37,7 +37,7 @@ func TestInboxPoisonCommands(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := ib.SettlePoison(ctx, msg, inbox.Poison{Source: source, Attempts: 5, Err: cause}); err != nil {
+		if err := ib.SettlePoison(ctx, msg, inbox.GiveUp{Source: source, Attempts: 5, Err: cause}); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -16,6 +16,7 @@ import (
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/failure"
 	"github.com/onceflow/onceflow/internal/kafkarecord"
 	"github.com/onceflow/onceflow/migrations"
@@ -28,14 +29,14 @@ const (
 	// DefaultWorkers is how many partitions are processed at once.
 	DefaultWorkers = 4
 	// DefaultMaxAttempts is how often a failing message is tried before it is given up as
-	// poison.
-	DefaultMaxAttempts = 5
+	// poison: the retry default of every onceflow consumer.
+	DefaultMaxAttempts = engine.DefaultMaxAttempts
 	// DefaultBackoff is the wait before a failing message's second attempt; it doubles per
 	// attempt up to DefaultMaxBackoff.
-	DefaultBackoff = 100 * time.Millisecond
+	DefaultBackoff = engine.DefaultBackoff
 	// DefaultMaxBackoff caps the wait between attempts, also between retries of a batch the
 	// database refused as a whole.
-	DefaultMaxBackoff = 5 * time.Second
+	DefaultMaxBackoff = engine.DefaultMaxBackoff
 )
 
 // BatchConfig configures a BatchConsumer. Brokers, Group, Topics and Processor are required.
@@ -240,8 +241,10 @@ func (c *BatchConsumer) commitMarked(ctx context.Context, cl *kgo.Client) {
 
 // Run consumes until ctx ends, then lets the batches in flight finish, commits the offsets of
 // what was applied, leaves the group and returns nil. While it runs, a processor that is an
-// inbox.Replayer (ib.Batch, BatchNoPublish, BatchFunc) also applies the replay requests of its
-// consumer's poison rows, every inbox.Config.ReplayInterval, with MaxAttempts and Backoff. It returns an error only if the client
+// replayer (ib.Batch, BatchNoPublish, BatchFunc) also applies the replay requests of the poison
+// rows this consumer's topics gave up (not those of a router or of another batched consumer
+// that shares the inbox's Consumer name), every inbox.Config.ReplayInterval, with MaxAttempts
+// and Backoff. It returns an error only if the client
 // stopped for another reason, or at once when the processor's schema is not migrated (a
 // processor with a CheckSchema method: the inbox's, the saga orchestrator and participants;
 // the error matches migrations.ErrNotMigrated and names the command to run). Call it once.
@@ -258,7 +261,7 @@ func (c *BatchConsumer) Run(ctx context.Context) error {
 	c.runCtx = ctx
 	c.mu.Unlock()
 	defer c.Close()
-	if r, ok := c.cfg.Processor.(inbox.Replayer); ok {
+	if r, ok := c.cfg.Processor.(engine.Replayer); ok {
 		// Replay requests of the processor's poison rows (`onceflow inbox poison replay`):
 		// applied by this group's own processes, so no other group sees the messages again.
 		// Stopped (its transaction finished) before Close leaves the group.
@@ -267,8 +270,8 @@ func (c *BatchConsumer) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			inbox.RunReplays(rctx, r.ReplayInterval(), c.log, func(ctx context.Context) (int, error) {
-				return r.ApplyReplays(ctx, c.policy())
+			engine.RunReplays(rctx, r.ReplayInterval(), c.log, func(ctx context.Context) (int, error) {
+				return r.ApplyReplays(ctx, c.policy(), c.cfg.Topics)
 			})
 		}()
 		defer func() {
@@ -513,7 +516,7 @@ func (c *BatchConsumer) apply(ctx context.Context, recs []*kgo.Record, msgs []*m
 }
 
 // settleOne applies one failing message alone until it succeeds or is given up (1), or ctx
-// ends (0), by the retry policy every consumer shares (inbox.RetryPolicy). err is its first
+// ends (0), by the retry policy every consumer shares (engine.RetryPolicy). err is its first
 // attempt's error.
 func (c *BatchConsumer) settleOne(ctx context.Context, r *kgo.Record, msg *message.Message, err error) int {
 	if c.policy().ApplyOne(ctx, c.proc, msg, source(r), err) != nil {
@@ -523,8 +526,8 @@ func (c *BatchConsumer) settleOne(ctx context.Context, r *kgo.Record, msg *messa
 }
 
 // policy is the consumer's retry policy.
-func (c *BatchConsumer) policy() inbox.RetryPolicy {
-	return inbox.RetryPolicy{MaxAttempts: c.cfg.MaxAttempts, Backoff: c.cfg.Backoff, MaxBackoff: c.cfg.MaxBackoff, Logger: c.log}
+func (c *BatchConsumer) policy() engine.RetryPolicy {
+	return engine.NewRetryPolicy(c.cfg.MaxAttempts, c.cfg.Backoff, c.cfg.MaxBackoff, c.log)
 }
 
 // slotted is the processor as the workers call it: each transaction holds one of the Workers
@@ -534,7 +537,7 @@ type slotted struct{ c *BatchConsumer }
 
 // After a conflict between concurrent transactions (a deadlock, a serialization failure, a
 // lock timeout: hot rows that the partitions' messages share), the consumer's transactions
-// run one at a time for hotFor, also with those of its other processes (inbox.TakeTurns): a
+// run one at a time for hotFor, also with those of its other processes (engine.TakeTurns): a
 // batch of hot rows is cheap, a deadlock between two costs PostgreSQL's deadlock_timeout (1 s)
 // and a retry, so taking turns is faster than racing. Each new conflict extends the period;
 // without one, the partitions run in parallel again.
@@ -545,10 +548,10 @@ func (s slotted) ProcessBatch(ctx context.Context, msgs []*message.Message) erro
 	defer s.c.release()
 	if time.Now().UnixNano() < s.c.hotUntil.Load() {
 		// Within this process a mutex; across processes of the group (and other consumers of
-		// the same name) the engines' advisory lock (inbox.TakeTurns).
+		// the same name) the engines' advisory lock (engine.TakeTurns).
 		s.c.hot.Lock()
 		defer s.c.hot.Unlock()
-		ctx = inbox.TakeTurns(ctx)
+		ctx = engine.TakeTurns(ctx)
 	}
 	err := s.c.cfg.Processor.ProcessBatch(ctx, msgs)
 	if failure.Contention(err) {
@@ -561,7 +564,7 @@ func (s slotted) ProcessBatch(ctx context.Context, msgs []*message.Message) erro
 // them.
 const hotFor = 10 * time.Second
 
-func (s slotted) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
+func (s slotted) SettlePoison(ctx context.Context, msg *message.Message, p inbox.GiveUp) error {
 	if !s.c.acquire(ctx) {
 		return ctx.Err()
 	}

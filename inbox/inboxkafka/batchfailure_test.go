@@ -115,7 +115,7 @@ func (r recording) ProcessBatch(ctx context.Context, msgs []*message.Message) er
 	return err
 }
 
-func (r recording) SettlePoison(ctx context.Context, msg *message.Message, p inbox.Poison) error {
+func (r recording) SettlePoison(ctx context.Context, msg *message.Message, p inbox.GiveUp) error {
 	r.ev.add("poison " + msg.UUID)
 	return r.BatchProcessor.SettlePoison(ctx, msg, p)
 }

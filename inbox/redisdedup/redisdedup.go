@@ -41,7 +41,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/onceflow/onceflow/inbox"
-	engine "github.com/onceflow/onceflow/internal/retention"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 )
 
 // Defaults.
@@ -119,7 +119,7 @@ func New(cfg Config) (*Store, error) {
 	case strings.ContainsAny(cfg.Consumer, ":\x00") || len(cfg.Consumer) > inbox.MaxConsumerBytes:
 		problems = append(problems, fmt.Errorf("Consumer %q must not contain ':' or NUL and must be at most %d bytes", cfg.Consumer, inbox.MaxConsumerBytes))
 	}
-	if err := engine.CheckWindow("Window", cfg.Window, cfg.AllowShortWindow, "AllowShortWindow"); err != nil {
+	if err := cleaning.CheckWindow("Window", cfg.Window, cfg.AllowShortWindow, "AllowShortWindow"); err != nil {
 		problems = append(problems, err)
 	}
 	if cfg.Lease < time.Millisecond {

@@ -1,10 +1,16 @@
 package failure_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
+	"os"
+	"syscall"
 	"testing"
 	"time"
 
@@ -18,9 +24,10 @@ import (
 
 func TestMain(m *testing.M) { testdb.Main(m) }
 
-// TestClassification runs each failure for real against PostgreSQL (and pgx), then checks the
-// one rule every consumer applies: transient failures and lost connections are the batch's
-// (retried, no attempt counted), the rest the message's.
+// TestClassification runs each failure for real (against PostgreSQL, pgx, an HTTP client, a
+// JSON decoder), then checks the one rule every consumer applies: a failure of the
+// transaction's own connection or server is the transaction's (retried, no attempt counted),
+// everything else the message's — also the errors that only look like network errors.
 func TestClassification(t *testing.T) {
 	db := testdb.New(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -45,7 +52,7 @@ func TestClassification(t *testing.T) {
 		// make causes the failure and returns the connection it happened on and its error
 		// (nil when none or not the transaction's own).
 		make       func(t *testing.T) (*pgx.Conn, error)
-		batch      bool // OfBatch: the batch's failure, not the message's
+		batch      bool // the transaction's failure (Whose: Transaction), not the message's
 		contention bool
 	}{
 		{"deadlock (40P01)", func(t *testing.T) (*pgx.Conn, error) { return nil, deadlock(t, ctx, connect(t), connect(t), tbl) }, true, true},
@@ -168,6 +175,41 @@ func TestClassification(t *testing.T) {
 		}, false, false},
 		{"aborted transaction the handler carried on in", func(*testing.T) (*pgx.Conn, error) { return nil, pgsql.ErrTxAborted }, false, false},
 		{"a handler's own error", func(*testing.T) (*pgx.Conn, error) { return nil, errors.New("card declined") }, false, false},
+		// Errors that look like network errors but are not the transaction's: the message's.
+		{"an HTTP client's refused connection (*url.Error, a net.Error)", func(t *testing.T) (*pgx.Conn, error) {
+			_, err := http.Get("http://" + refusedAddr(t) + "/charge")
+			return connect(t), err
+		}, false, false},
+		{"an HTTP client's timeout", func(t *testing.T) (*pgx.Conn, error) {
+			l, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer l.Close() // accepts nothing: the request times out
+			_, err = (&http.Client{Timeout: 50 * time.Millisecond}).Get("http://" + l.Addr().String())
+			return connect(t), err
+		}, false, false},
+		{"a decoder's EOF on an empty payload", func(t *testing.T) (*pgx.Conn, error) {
+			var v map[string]any
+			return connect(t), json.NewDecoder(bytes.NewReader(nil)).Decode(&v)
+		}, false, false},
+		{"a truncated payload (io.ErrUnexpectedEOF)", func(t *testing.T) (*pgx.Conn, error) {
+			var v struct{ A, B int }
+			return connect(t), binary.Read(bytes.NewReader([]byte{1, 2, 3}), binary.BigEndian, &v)
+		}, false, false},
+		{"a reset from another server (ECONNRESET)", func(t *testing.T) (*pgx.Conn, error) {
+			return connect(t), &net.OpError{Op: "read", Net: "tcp", Err: &os.SyscallError{Syscall: "read", Err: syscall.ECONNRESET}}
+		}, false, false},
+		{"a handler's own deadline (wrapped context.DeadlineExceeded)", func(t *testing.T) (*pgx.Conn, error) {
+			return connect(t), fmt.Errorf("call the tax service: %w", context.DeadlineExceeded)
+		}, false, false},
+		{"a handler's own deadline cut its statement on the transaction's connection", func(t *testing.T) (*pgx.Conn, error) {
+			c := connect(t)
+			sctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+			defer cancel()
+			_, err := c.Exec(sctx, `SELECT pg_sleep(5)`)
+			return c, err
+		}, false, false},
 		{"nil", func(*testing.T) (*pgx.Conn, error) { return nil, nil }, false, false},
 	}
 	for _, c := range cases {
@@ -176,15 +218,70 @@ func TestClassification(t *testing.T) {
 			if c.name != "nil" && err == nil {
 				t.Fatal("the failure did not happen")
 			}
-			wrapped := fmt.Errorf("handler: %w", err)
-			if got := failure.OfBatch(wrapped, conn); got != c.batch {
-				t.Errorf("OfBatch(%v (%T)) = %v, want %v", err, err, got, c.batch)
+			var wrapped error
+			if err != nil {
+				wrapped = fmt.Errorf("handler: %w", err)
+			}
+			want := failure.Message
+			switch {
+			case err == nil:
+				want = failure.None
+			case c.batch:
+				want = failure.Transaction
+			}
+			if got := failure.Whose(context.Background(), wrapped, conn); got != want {
+				t.Errorf("Whose(%v (%T)) = %v, want %v", err, err, got, want)
 			}
 			if got := failure.Contention(wrapped); got != c.contention {
 				t.Errorf("Contention(%v) = %v, want %v", err, got, c.contention)
 			}
 		})
 	}
+}
+
+// TestWhoseContext: the consumer's context decides first. Cancelled (a revoked partition, a
+// shutdown): nobody's, whatever the handler returned. Past its deadline (Watermill's
+// middleware.Timeout): the message's, even when the deadline closed the transaction's
+// connection under a statement. The engine's own commit timeout is the transaction's.
+func TestWhoseContext(t *testing.T) {
+	db := testdb.New(t)
+	stopped, stop := context.WithCancel(context.Background())
+	stop()
+	if got := failure.Whose(stopped, errors.New("card declined"), nil); got != failure.Stopping {
+		t.Errorf("a cancelled consumer context: %v, want Stopping", got)
+	}
+	if got := failure.Whose(stopped, &pgconn.PgError{Code: "40P01"}, nil); got != failure.Stopping {
+		t.Errorf("a deadlock while stopping: %v, want Stopping", got)
+	}
+
+	c, err := pgx.Connect(context.Background(), db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
+	msgCtx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	_, err = c.Exec(msgCtx, `SELECT pg_sleep(5)`)
+	if !c.IsClosed() || !pgconn.Timeout(err) {
+		t.Fatalf("expected pgx to close the connection with a timeout; got closed=%v, err %v", c.IsClosed(), err)
+	}
+	if got := failure.Whose(msgCtx, err, c); got != failure.Message {
+		t.Errorf("the message's deadline cut its statement: %v, want Message", got)
+	}
+	// The same error seen by the engine's COMMIT (its own detached timeout): the transaction's.
+	if !failure.OfTransaction(err, c) {
+		t.Error("OfTransaction of a statement timed out by pgx = false, want true")
+	}
+}
+
+func refusedAddr(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	_ = l.Close()
+	return addr
 }
 
 func TestBackoff(t *testing.T) {

@@ -13,11 +13,13 @@ package kafkarecord
 import (
 	"context"
 	"errors"
-	"reflect"
+
 	"slices"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/internal/routerctx"
 )
 
 // UUIDHeader is the Kafka header carrying the event id: watermill-kafka's
@@ -68,33 +70,6 @@ func Decode(ctx context.Context, r *kgo.Record) *message.Message {
 	}
 	msg := message.NewMessage(id, r.Value)
 	msg.Metadata = md
-	msg.SetContext(WithSubscribeTopic(ctx, r.Topic))
+	msg.SetContext(routerctx.With(ctx, routerctx.Values{SubscribeTopic: r.Topic}))
 	return msg
-}
-
-// WithSubscribeTopic returns a context in which message.SubscribeTopicFromCtx reports topic.
-//
-// Watermill sets that value only inside its router, under a key of an unexported type; a
-// consumer that is not the router cannot set it with context.WithValue. The returned context
-// answers the lookup of that one key (recognised by its type's package, name and value, which
-// TestSubscribeTopicRoundTrip pins for the Watermill version in go.mod) and delegates every
-// other lookup to ctx.
-func WithSubscribeTopic(ctx context.Context, topic string) context.Context {
-	return subscribeTopicCtx{Context: ctx, topic: topic}
-}
-
-type subscribeTopicCtx struct {
-	context.Context
-	topic string
-}
-
-// watermillKey is the type of the router's context keys.
-var watermillKey = struct{ pkg, name string }{"github.com/ThreeDotsLabs/watermill/message", "ctxKey"}
-
-func (c subscribeTopicCtx) Value(key any) any {
-	if t := reflect.TypeOf(key); t != nil && t.Kind() == reflect.String && t.Name() == watermillKey.name &&
-		t.PkgPath() == watermillKey.pkg && reflect.ValueOf(key).String() == "subscribe_topic" {
-		return c.topic
-	}
-	return c.Context.Value(key)
 }

@@ -15,6 +15,10 @@ const DefaultSchema = "onceflow"
 
 var plainIdent = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,62}$`)
 
+// ErrNotMigrated is migrations.ErrNotMigrated: the schema lacks migration steps this binary
+// needs. No retry helps until someone migrates it.
+var ErrNotMigrated = errors.New("migrations: schema is not migrated")
+
 // ValidateSchema accepts only plain lower-case identifiers (letters, digits, underscore,
 // not starting with a digit, at most 63 bytes). Anything else is refused rather than quoted
 // into existence, so a typo or an injection attempt never creates a surprising schema.

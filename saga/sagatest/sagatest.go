@@ -28,6 +28,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/migrations"
 	"github.com/onceflow/onceflow/saga"
@@ -206,10 +207,10 @@ func boolInt(v bool) int {
 
 // processBatch hands a batch to p as inboxkafka.BatchConsumer does: a failure of the batch as a
 // whole (a deadlock, a lock timeout, a lost connection: not a *inbox.MessageError) counts no
-// attempt and is retried with the consumers' policy (inbox.RetryPolicy.Refused) — here at most
+// attempt and is retried with the consumers' policy (engine.RetryPolicy.Refused) — here at most
 // 20 times, then returned.
 func processBatch(ctx context.Context, p inbox.BatchProcessor, batch []*message.Message) error {
-	policy := inbox.RetryPolicy{Backoff: 10 * time.Millisecond, MaxBackoff: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}
+	policy := engine.NewRetryPolicy(0, 10*time.Millisecond, 100*time.Millisecond, slog.New(slog.DiscardHandler))
 	for failures := 0; ; failures++ {
 		err := p.ProcessBatch(ctx, batch)
 		var me *inbox.MessageError
