@@ -161,3 +161,55 @@ func TestRouterGivesUpAMessageThatKeepsTimingOut(t *testing.T) {
 		t.Errorf("%d nacks, %d handler calls; want 0 and 3 (one delivery, its 3 attempts)", nacks, calls.Load())
 	}
 }
+
+// Beyond issue 33's list, found while writing the test above: the router closing (a
+// shutdown, a revoked partition) while a handler waits on its context is nobody's failure —
+// the message must be redelivered, not given up. Its context.Canceled is not the handler's
+// deadline (context.DeadlineExceeded, which is the message's), and a rule that makes handler
+// deadlines the message's must keep the two apart. (ib.Poison gave the in-flight message up,
+// with one attempt and "context canceled", so a graceful shutdown parked it.)
+func TestRouterClosingGivesNothingUp(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, func(c *inbox.Config) { c.ReplayInterval = time.Hour })
+	logger := watermill.NopLogger{}
+	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, logger)
+	t.Cleanup(func() { _ = pubsub.Close() })
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	retry := middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond, ResetContextOnRetry: true, ShouldRetry: inbox.ShouldRetry}
+	router.AddMiddleware(f.ib.Poison, retry.Middleware, middleware.Timeout(time.Minute), middleware.Recoverer, f.ib.Middleware)
+	router.AddPlugin(f.ib.RouterPlugin)
+	started := make(chan struct{}, 16)
+	router.AddConsumerHandler("billing", "orders", pubsub, func(msg *message.Message) error {
+		started <- struct{}{}
+		<-msg.Context().Done() // a call still running when the router closes
+		return msg.Context().Err()
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	<-router.Running()
+	msg := outbox.NewMessage([]byte("in flight"))
+	if err := pubsub.Publish("orders", msg); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-started:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the handler did not start within 20 s")
+	}
+	cancel() // shutdown
+	if err := <-done; err != nil {
+		t.Error(err)
+	}
+	var reason string
+	if err := f.db.Pool.QueryRow(context.Background(), `SELECT coalesce(max(error), '') FROM `+f.db.Table("inbox_poison")+` WHERE message_uuid = $1`, msg.UUID).
+		Scan(&reason); err != nil {
+		t.Fatal(err)
+	}
+	if reason != "" || f.dedupRows() != 0 {
+		t.Errorf("the router's shutdown gave the in-flight message up (poison row error %q, %d dedup rows); want it left for redelivery", reason, f.dedupRows())
+	}
+}
