@@ -115,7 +115,7 @@ func TestRouterGivesUpAMessageThatKeepsTimingOut(t *testing.T) {
 		t.Fatal(err)
 	}
 	retry := middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond, ResetContextOnRetry: true, ShouldRetry: inbox.ShouldRetry}
-	router.AddMiddleware(f.ib.Poison, retry.Middleware, middleware.Timeout(100*time.Millisecond), middleware.Recoverer, f.ib.Middleware)
+	router.AddMiddleware(f.ib.Poison, retry.Middleware, middleware.Timeout(250*time.Millisecond), middleware.Recoverer, f.ib.Middleware)
 	router.AddPlugin(f.ib.RouterPlugin)
 	var calls atomic.Int32
 	router.AddConsumerHandler("billing", "orders", sub, func(msg *message.Message) error {
@@ -157,8 +157,10 @@ func TestRouterGivesUpAMessageThatKeepsTimingOut(t *testing.T) {
 	if attempts != 3 || !strings.Contains(reason, context.DeadlineExceeded.Error()) {
 		t.Errorf("poison row: attempts %d, error %q; want 1+MaxRetries = 3 and the deadline", attempts, reason)
 	}
-	if _, nacks := sub.counts(msg.UUID); nacks != 0 || calls.Load() != 3 {
-		t.Errorf("%d nacks, %d handler calls; want 0 and 3 (one delivery, its 3 attempts)", nacks, calls.Load())
+	// An attempt whose deadline passed before its transaction began (a slow machine, -race)
+	// counts without calling the handler: at most 3 calls.
+	if _, nacks := sub.counts(msg.UUID); nacks != 0 || calls.Load() < 1 || calls.Load() > 3 {
+		t.Errorf("%d nacks, %d handler calls; want 0 and at most 3 (one delivery, its 3 attempts)", nacks, calls.Load())
 	}
 }
 
