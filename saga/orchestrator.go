@@ -146,6 +146,9 @@ func NewOrchestrator(cfg OrchestratorConfig) (*Orchestrator, error) {
 	if cfg.MaxAttempts == 0 {
 		cfg.MaxAttempts = DefaultMaxAttempts
 	}
+	if cfg.CommitTimeout == 0 {
+		cfg.CommitTimeout = engine.DefaultCommitTimeout
+	}
 	var problems []error
 	if cfg.MaxAttempts < 1 {
 		problems = append(problems, fmt.Errorf("MaxAttempts is %d; use 0 for the default (%d) or a positive number", cfg.MaxAttempts, DefaultMaxAttempts))

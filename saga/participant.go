@@ -123,6 +123,9 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 	if cfg.MaxAttempts == 0 {
 		cfg.MaxAttempts = DefaultMaxAttempts
 	}
+	if cfg.CommitTimeout == 0 {
+		cfg.CommitTimeout = engine.DefaultCommitTimeout
+	}
 	var problems []error
 	if cfg.MaxAttempts < 1 {
 		problems = append(problems, fmt.Errorf("MaxAttempts is %d; use 0 for the default (%d) or a positive number", cfg.MaxAttempts, DefaultMaxAttempts))
@@ -382,11 +385,11 @@ type barrierClaim struct {
 	release  []string
 }
 
-// barrierKeys are the barrier statements of a batch: the keys to claim (each step's action
-// key, a compensation's own key too), the compensation keys only to look up, and the action
-// keys whose kept results to read.
+// barrierKeys are the keys of a batch's claims: the commands' dedup keys, the barrier keys to
+// claim (each step's action key, a compensation's own key too), the compensation keys only to
+// look up, and the action keys whose kept results to read.
 type barrierKeys struct {
-	claim, seen, read []string
+	commands, claim, seen, read []string
 	claiming, reading map[string]bool
 }
 
@@ -394,14 +397,15 @@ type barrierKeys struct {
 // order — an action key sorts before its compensation's — so an action and its compensation
 // wait for each other instead of deadlocking.
 func plan(cmds []*command) barrierKeys {
-	k := barrierKeys{claiming: map[string]bool{}, reading: map[string]bool{}}
+	k := barrierKeys{commands: make([]string, len(cmds)), claiming: map[string]bool{}, reading: map[string]bool{}}
 	add := func(list *[]string, set map[string]bool, key string) {
 		if !set[key] {
 			set[key] = true
 			*list = append(*list, key)
 		}
 	}
-	for _, c := range cmds {
+	for i, c := range cmds {
+		k.commands[i] = c.key
 		if c.outcome != nil {
 			continue
 		}
@@ -425,20 +429,30 @@ func plan(cmds []*command) barrierKeys {
 	return k
 }
 
+// taken says, for each barrier key, whether it existed before this transaction: got[i] is
+// whether the claim of k.claim[i] inserted it (k.claim holds distinct keys), seen[i] whether
+// k.seen[i] was found.
+func (k barrierKeys) taken(got, seen []bool) map[string]bool {
+	taken := make(map[string]bool, len(k.claim)+len(k.seen))
+	for i, key := range k.claim {
+		taken[key] = !got[i]
+	}
+	for i, key := range k.seen {
+		taken[key] = taken[key] || seen[i]
+	}
+	return taken
+}
+
 // claim claims the commands' dedup keys and the barrier's keys in one round trip, and decides
 // each new command (decideBarrier). An action's batch reads which compensations committed after
 // its claims, which waited for concurrent compensations. The barrier keys are claimed before the
 // commands' claims are known (one round trip rather than two), hence release.
 func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (*barrierClaim, error) {
-	keys := make([]string, len(cmds))
-	for i, c := range cmds {
-		keys[i] = c.key
-	}
 	k := plan(cmds)
 	var claimed, got, seen []bool
 	bc := &barrierClaim{results: map[string][]byte{}}
 	b := &pgx.Batch{}
-	if err := p.run.QueueClaim(b, keys, &claimed); err != nil {
+	if err := p.run.QueueClaim(b, k.commands, &claimed); err != nil {
 		return nil, err
 	}
 	if len(k.claim) > 0 {
@@ -457,13 +471,7 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (*b
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, fmt.Errorf("saga participant %q: claim %d commands and their barrier: %w", p.cfg.Consumer, len(cmds), schemaError(p.cfg.Schema, err))
 	}
-	taken := map[string]bool{} // barrier key → it existed before this transaction
-	for i, key := range k.claim {
-		taken[key] = !got[i] // claim holds distinct keys: got[i] is key's own
-	}
-	for i, key := range k.seen {
-		taken[key] = taken[key] || seen[i]
-	}
+	taken := k.taken(got, seen)
 	used := map[string]bool{} // barrier keys of new commands
 	var unread []string       // action keys taken before whose results were not read
 	for i, c := range cmds {
