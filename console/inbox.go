@@ -27,7 +27,7 @@ type poisonRow struct {
 	Error       string
 	Metadata    map[string]string
 	Payload     []byte
-	State       string // poison, replay_requested or replayed
+	State       string // poison, replay_requested, replayed or duplicate
 	Replays     int
 	Refusal     *string          // why no replay may apply it (a saga's message), nil when one may
 	History     []map[string]any // replay events, oldest first

@@ -211,7 +211,7 @@ func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*St
 	// process of its consumer to apply it.
 	rows, err = pool.Query(ctx, `SELECT consumer, count(*) FILTER (WHERE state = 'poison'), count(*) FILTER (WHERE state = 'replay_requested'),
 		coalesce(extract(epoch FROM now() - min(replay_requested_at) FILTER (WHERE state = 'replay_requested'))::float8, 0)
-		FROM `+t("inbox_poison")+` WHERE state <> 'replayed' GROUP BY consumer ORDER BY consumer`)
+		FROM `+t("inbox_poison")+` WHERE state IN ('poison', 'replay_requested') GROUP BY consumer ORDER BY consumer`)
 	if err != nil {
 		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
 	}

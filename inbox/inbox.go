@@ -26,6 +26,15 @@
 //			return []*message.Message{outbox.NewMessage(invoice)}, nil
 //		})
 //
+// Whose a failure is decides what happens next, by one rule shared by every consumer (the
+// table is in docs/inbox.md, "Whose failure is it"). A failure of the transaction's own
+// connection or server — a deadlock, a lock or statement timeout, the connection lost, the
+// server restarting (pgconn's errors, a SQLSTATE, the transaction's connection found closed) —
+// is the transaction's: it is retried and never given up. Everything else the handler returns
+// is the message's, also what merely looks like a network error: an http.Client's *url.Error,
+// a deadline of middleware.Timeout, a json.Decoder's io.EOF on an empty payload. Poison gives
+// such a message up after its attempts.
+//
 // The middleware is a thin wrapper over the transaction-first core, ClaimTx and SeenTx, which
 // a consumer that is not a Watermill handler (a batch consumer, the saga orchestrator) calls
 // in its own transaction.

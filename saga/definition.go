@@ -164,9 +164,10 @@ func (s *StepDef[D]) Pivot() *StepDef[D] {
 // savepoint: when it returns an error, its writes are rolled back. saga.Fail is a business
 // failure: the steps before it are compensated (or, on and after the pivot, it is run again
 // after the backoff). Any other error (saga.Retry included) is retried after the step's
-// backoff, as the next of its Attempts, then the saga compensates like for a remote step. A
-// transient database error (a deadlock, a lost connection) fails the whole transition, which
-// is tried again without counting an attempt.
+// backoff, as the next of its Attempts, then the saga compensates like for a remote step; so
+// are an HTTP client's error, a deadline and a decoder's io.EOF. Only a failure of the
+// transaction's own connection or server (a deadlock, a lost connection, a restart) fails the
+// whole transition, which is tried again without counting an attempt.
 //
 // A local step has no Send, OnReply, Timeout or Compensate (use CompensateLocal). A local
 // first step runs in StartTx's transaction with the RunLocalSteps start option, else within

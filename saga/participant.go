@@ -167,7 +167,10 @@ func NewParticipant(cfg ParticipantConfig) (*Participant, error) {
 // Fail(reason) for a business failure, Retry(err) for a transient one. Any other error (or a
 // panic) rolls the attempt back and runs it again, up to ParticipantConfig.MaxAttempts times
 // with backoff; then the command is answered as a failed attempt carrying the error, so its
-// partition moves on and the saga retries or compensates. h must not commit or roll back tx
+// partition moves on and the saga retries or compensates. That includes errors that only look
+// like network errors: a provider's HTTP error, a deadline, a decoder's io.EOF. Only a failure
+// of the transaction's own connection or server (a deadlock, a lost connection, a restart)
+// counts no attempt and is retried until it succeeds. h must not commit or roll back tx
 // (the participant does; tx.Begin savepoints are fine). For inboxkafka.BatchConsumer, use
 // ActionProcessor.
 func Action[C, R any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C) (R, error)) message.NoPublishHandlerFunc {
@@ -390,7 +393,7 @@ type barrierClaim struct {
 // look up, and the action keys whose kept results to read.
 type barrierKeys struct {
 	commands, claim, seen, read []string
-	claiming, reading map[string]bool
+	claiming, reading           map[string]bool
 }
 
 // plan lists the barrier keys of the commands whose outcome is not decided. Claims lock in key

@@ -74,10 +74,12 @@ type poisonRow struct {
 	Attempts    int       `json:"attempts"`
 	FailedAt    time.Time `json:"failed_at"`
 	Error       string    `json:"error"`
-	// State is poison, replay_requested or replayed; Replays counts the replays applied.
+	// State is poison, replay_requested, replayed or duplicate (the replay found the message
+	// applied by another delivery; its handler did not run again); Replays counts the replays
+	// applied.
 	State   string `json:"state"`
 	Replays int    `json:"replays"`
-	// History lists the row's replay events (requested, replayed, failed), oldest first.
+	// History lists the row's replay events (requested, replayed, duplicate, failed), oldest first.
 	History  []map[string]any  `json:"history"`
 	Metadata map[string]string `json:"metadata"`
 	// Payload is the message's payload as text when it is valid UTF-8; otherwise
@@ -90,7 +92,8 @@ const poisonListSynopsis = `inbox poison [flags]
 
 Lists the messages a consumer gave up on (a batched consumer, or a router with the inbox's
 Poison middleware), newest first, with their state: poison (given up), replay_requested
-(waiting for a process of its consumer) or replayed. Each was recorded together with its
+(waiting for a process of its consumer), replayed, or duplicate (when its replay ran, another
+delivery had applied the message: its handler did not run again). Each was recorded together with its
 dedup row: its partition moved on, and a redelivery of it is skipped. --json adds the dedup
 key, the metadata, the payload and the replay history.
 
