@@ -418,7 +418,7 @@ func (e *timerError) Unwrap() error { return e.err }
 // deletes the timer, in one transaction.
 func (o *Orchestrator) stuckByTimer(ctx context.Context, te *timerError) error {
 	var name string
-	err := pgx.BeginFunc(ctx, o.cfg.Pool, func(tx pgx.Tx) error {
+	err := o.run.InTx(ctx, func(ctx context.Context, tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, o.st.delTimer, te.sagaID, te.kind); err != nil {
 			return err
 		}
