@@ -168,3 +168,22 @@ func TestTimeoutInsideRetryNeedsResetContext(t *testing.T) {
 		}
 	}
 }
+
+// Timeout inside Retry without ResetContextOnRetry (against the documented order) leaves later
+// attempts a cancelled context. That cancellation is a middleware's, not the consumer
+// stopping: Poison gives the message up after its attempts (with the handler's error) instead
+// of taking it for the database's failure and nacking it forever.
+func TestLeftoverCancelledContextIsNotAStop(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, nil)
+	h := func(*message.Message) ([]*message.Message, error) { return nil, errors.New("tax service: bad request") }
+	retry := middleware.Retry{MaxRetries: 2, InitialInterval: time.Millisecond}
+	chain := f.ib.Poison(retry.Middleware(middleware.Timeout(2 * time.Second)(f.ib.Middleware(h))))
+	msg := outbox.NewMessage([]byte("x"))
+	if _, err := chain(msg); err != nil {
+		t.Fatalf("Poison returned %v: the message would be nacked and redelivered forever", err)
+	}
+	if n := f.count(`SELECT count(*) FROM `+f.db.Table("inbox_poison")+` WHERE message_uuid = $1 AND attempts = 3`, msg.UUID); n != 1 {
+		t.Fatalf("%d poison rows with 3 attempts", n)
+	}
+}

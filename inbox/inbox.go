@@ -221,7 +221,9 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) ([]*message
 	err := ib.processBatch(msg.Context(), []*message.Message{msg}, message.PublishTopicFromCtx(msg.Context()), h, nil)
 	me := (*MessageError)(nil)
 	messages := errors.As(err, &me)
-	pass.record(err != nil && !messages)
+	// Not the message's while its context is live: the transaction's failure. A failure with the
+	// context ended is the deadline's or the stop's; Poison tells those apart by its own context.
+	pass.record(err != nil && !messages && msg.Context().Err() == nil)
 	if pe := (*engine.PanicError)(nil); errors.As(err, &pe) {
 		panic(pe.Value) // rolled back already; keeps unwinding to Recoverer or the router
 	}

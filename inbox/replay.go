@@ -520,22 +520,22 @@ func (p *batchProcessor) ReplayInterval() time.Duration { return p.ib.cfg.Replay
 type attemptsKey struct{}
 
 // attempts is what the inbox middleware tells the Poison middleware outside it: how many
-// times the message went through it, and whether the last pass failed for a reason that was
-// not the message's (the transaction's failure, or the consumer stopping) — the engine's
+// times the message went through it, and whether the last pass failed for the transaction's
+// own reason (engine: not the message's, while the message's context was live) — the engine's
 // verdict, so that Poison never judges an error by its type.
 type attempts struct {
-	n          atomic.Int32
-	notMessage atomic.Bool
+	n           atomic.Int32
+	transaction atomic.Bool
 }
 
-// record counts a pass; notMessage says its failure was not the message's. Safe on nil (the
-// Poison middleware is not installed).
-func (a *attempts) record(notMessage bool) {
+// record counts a pass; transaction says it failed for the transaction's own reason. Safe on
+// nil (the Poison middleware is not installed).
+func (a *attempts) record(transaction bool) {
 	if a == nil {
 		return
 	}
 	a.n.Add(1)
-	a.notMessage.Store(notMessage)
+	a.transaction.Store(transaction)
 }
 
 // Poison is the router's poison middleware for an inbox consumer, in place of Watermill's
@@ -571,8 +571,10 @@ func (ib *Inbox) Poison(h message.HandlerFunc) message.HandlerFunc {
 		if err == nil {
 			return out, nil
 		}
-		if (pass.notMessage.Load() || errors.Is(mctx.Err(), context.Canceled)) && !IsPoison(err) {
-			return nil, err // the database's failure, or the consumer stops: not the message's; redelivered
+		// The consumer stops (the router's own context, not one a middleware cancelled), or the
+		// transaction failed: not the message's; redelivered.
+		if (pass.transaction.Load() || errors.Is(mctx.Err(), context.Canceled)) && !IsPoison(err) {
+			return nil, err
 		}
 		g := GiveUp{Source: message.SubscribeTopicFromCtx(mctx), Attempts: max(1, int(pass.n.Load())), Err: err,
 			Handler: message.HandlerNameFromCtx(mctx), PublishTopic: message.PublishTopicFromCtx(mctx)}
