@@ -2,7 +2,6 @@ package inbox
 
 import (
 	"context"
-	"errors"
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"go.opentelemetry.io/otel/attribute"
@@ -18,9 +17,6 @@ const (
 	outcomeFailed    = "failed"
 	outcomeNoKey     = "no_key"
 )
-
-// errPanicked marks the span of a handler that panicked (the panic itself keeps unwinding).
-var errPanicked = errors.New("inbox: the handler panicked or the transaction did not end; rolled back")
 
 // startProcess starts the `process <topic>` span (CONSUMER) of one message, around its
 // transaction. Its parent is the message's creation context, the `create` span whose W3C
@@ -66,9 +62,6 @@ func endProcess(span trace.Span, outcome string, err error) {
 		return
 	}
 	span.SetAttributes(tracing.InboxOutcome.String(outcome))
-	if outcome == outcomeFailed && err == nil {
-		err = errPanicked
-	}
 	if err != nil {
 		span.SetAttributes(tracing.ErrorType.String(errorType(err)))
 		tracing.Fail(span, err)

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/config"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -554,19 +555,17 @@ func (d *Definition[D]) runEnd(ctx context.Context, tx pgx.Tx, s State, raw json
 	return out, true, err
 }
 
-// runFunc runs fn on the decoded data, and returns the data after it; a panic is an error.
-func (d *Definition[D]) runFunc(ctx context.Context, tx pgx.Tx, fn func(context.Context, pgx.Tx, *D) error, raw json.RawMessage) (_ json.RawMessage, err error) {
+// runFunc runs fn on the decoded data, and returns the data after it; a panic is the step's
+// error, wrapping inbox.ErrPanicked (the engine's one panic policy).
+func (d *Definition[D]) runFunc(ctx context.Context, tx pgx.Tx, fn func(context.Context, pgx.Tx, *D) error, raw json.RawMessage) (json.RawMessage, error) {
 	data, err := d.decode(raw)
 	if err != nil {
 		return nil, err
 	}
-	defer func() {
-		if r := recover(); r != nil {
-			err = fmt.Errorf("saga %q: panic: %v", d.name, r)
+	return engine.Call(func() (json.RawMessage, error) {
+		if err := fn(ctx, tx, &data); err != nil {
+			return nil, err
 		}
-	}()
-	if err := fn(ctx, tx, &data); err != nil {
-		return nil, err
-	}
-	return json.Marshal(data)
+		return json.Marshal(data)
+	})
 }
