@@ -329,7 +329,11 @@ func newReplaySQL(schema string) replaySQL {
 		start: `UPDATE ` + t + ` SET state = 'replayed', replayed_at = now(), replays = replays + 1,
 			history = history || jsonb_build_array(jsonb_build_object('at', now(), 'event', 'replayed'))
 			WHERE id = $1 AND consumer = $2 AND state = 'replay_requested'`,
-		undedup: `DELETE FROM ` + pgsql.Table(schema, "processed_event") + ` WHERE consumer = $1 AND dedup_key = $2`,
+		// Only the dedup row written when the message was given up (or before): a row recorded
+		// later is another delivery's — the first expired with the retention window and the
+		// message came again and was applied — and stays, so the claim finds the key taken.
+		undedup: `DELETE FROM ` + pgsql.Table(schema, "processed_event") + ` WHERE consumer = $1 AND dedup_key = $2
+			AND processed_at <= (SELECT failed_at FROM ` + t + ` WHERE id = $3)`,
 		// The start's change, corrected in the same transaction: the claim found the key taken.
 		duplicate: `UPDATE ` + t + ` SET state = 'duplicate', replayed_at = NULL, replays = replays - 1,
 			history = (history - (-1)) || jsonb_build_array(jsonb_build_object('at', now(), 'event', 'duplicate'))
@@ -476,7 +480,7 @@ func (r *replayUnit) Start(ctx context.Context, tx pgx.Tx) (bool, error) {
 	if tag.RowsAffected() == 0 {
 		return false, nil
 	}
-	if _, err := tx.Exec(ctx, ib.replaySQL.undedup, ib.cfg.Consumer, r.row.key); err != nil {
+	if _, err := tx.Exec(ctx, ib.replaySQL.undedup, ib.cfg.Consumer, r.row.key, r.row.id); err != nil {
 		return false, ib.dbError(fmt.Sprintf("remove the dedup row of poison row %d", r.row.id), err)
 	}
 	return true, nil

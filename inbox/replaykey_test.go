@@ -35,38 +35,8 @@ func TestReplayWhoseKeyIsTakenIsADuplicate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	f := newFixture(t, func(c *inbox.Config) { c.ReplayInterval = 20 * time.Millisecond })
-	logger := watermill.NopLogger{}
-	pubsub := gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, logger)
-	t.Cleanup(func() { _ = pubsub.Close() })
-	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
-	if err != nil {
-		t.Fatal(err)
-	}
-	router.AddMiddleware(f.ib.Poison, f.ib.Middleware)
-	router.AddPlugin(f.ib.RouterPlugin)
-	var broken atomic.Bool
-	broken.Store(true)
-	var mu sync.Mutex
-	runs := map[string]int{} // successful handler runs per message
-	router.AddConsumerHandler("billing", "orders", pubsub, func(msg *message.Message) error {
-		if broken.Load() {
-			return errors.New("bug: cannot apply it yet")
-		}
-		mu.Lock()
-		runs[msg.UUID]++
-		mu.Unlock()
-		return f.applyEffect(msg, string(msg.Payload))
-	})
-	runCtx, cancel := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { done <- router.Run(runCtx) }()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Error(err)
-		}
-	}()
-	<-router.Running()
+	r := startReplayRouter(t, f)
+	broken, pubsub := &r.broken, r.pubsub
 
 	m, n := outbox.NewMessage([]byte("m")), outbox.NewMessage([]byte("n"))
 	for _, msg := range []*message.Message{m, n} {
@@ -122,9 +92,7 @@ func TestReplayWhoseKeyIsTakenIsADuplicate(t *testing.T) {
 	awaitWithin(t, 20*time.Second, "the replay of n applied", func() bool { return f.poisonOf(n.UUID).state == inbox.StateReplayed },
 		func() string { return fmt.Sprintf("n's row is %q", f.poisonOf(n.UUID).state) })
 
-	mu.Lock()
-	runsM, runsN := runs[m.UUID], runs[n.UUID]
-	mu.Unlock()
+	runsM, runsN := r.runsOf(m.UUID), r.runsOf(n.UUID)
 	if runsM != 0 || f.effects(m.UUID) != 0 {
 		t.Errorf("the handler ran %d times for m (%d effects) after another delivery had applied it; want 0: the replay found its key taken",
 			runsM, f.effects(m.UUID))
@@ -140,5 +108,89 @@ func TestReplayWhoseKeyIsTakenIsADuplicate(t *testing.T) {
 	}
 	if runsN != 1 || f.effects(n.UUID) != 1 {
 		t.Errorf("n: %d handler runs, %d effects; want 1 and 1", runsN, f.effects(n.UUID))
+	}
+}
+
+// replayRouter is a router consumer "billing" whose handler fails while broken is set, with
+// the Poison middleware and the replay plugin.
+type replayRouter struct {
+	pubsub *gochannel.GoChannel
+	broken atomic.Bool
+	mu     sync.Mutex
+	runs   map[string]int // successful handler runs per message
+}
+
+func (r *replayRouter) runsOf(uuid string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.runs[uuid]
+}
+
+func startReplayRouter(t *testing.T, f *fixture) *replayRouter {
+	t.Helper()
+	logger := watermill.NopLogger{}
+	r := &replayRouter{pubsub: gochannel.NewGoChannel(gochannel.Config{OutputChannelBuffer: 16}, logger), runs: map[string]int{}}
+	t.Cleanup(func() { _ = r.pubsub.Close() })
+	router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, logger)
+	if err != nil {
+		t.Fatal(err)
+	}
+	router.AddMiddleware(f.ib.Poison, f.ib.Middleware)
+	router.AddPlugin(f.ib.RouterPlugin)
+	r.broken.Store(true)
+	router.AddConsumerHandler("billing", "orders", r.pubsub, func(msg *message.Message) error {
+		if r.broken.Load() {
+			return errors.New("bug: cannot apply it yet")
+		}
+		r.mu.Lock()
+		r.runs[msg.UUID]++
+		r.mu.Unlock()
+		return f.applyEffect(msg, string(msg.Payload))
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- router.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	})
+	<-router.Running()
+	return r
+}
+
+// A replay requested after the message's dedup row expired (the retention window) and another
+// delivery applied it again removes only the dedup row written when the message was given up:
+// the later delivery's row stays, the claim finds the key taken, and the handler does not run
+// a second time (state duplicate). (The replay used to delete the later row and run it again.)
+func TestReplayAfterRetentionAndARedeliveryIsADuplicate(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	f := newFixture(t, func(c *inbox.Config) { c.ReplayInterval = 20 * time.Millisecond })
+	r := startReplayRouter(t, f)
+	m := outbox.NewMessage([]byte("m"))
+	if err := r.pubsub.Publish("orders", m); err != nil {
+		t.Fatal(err)
+	}
+	awaitWithin(t, 20*time.Second, "m given up", func() bool { return f.count(`SELECT count(*) FROM `+f.db.Table("inbox_poison")) == 1 },
+		func() string { return fmt.Sprintf("states %v", f.states()) })
+	r.broken.Store(false)
+	// The retention window passed: the dedup row is gone. The message came again and was applied.
+	pe := f.db.Table("processed_event")
+	if _, err := f.db.Pool.Exec(ctx, `DELETE FROM `+pe+` WHERE consumer = 'billing'`); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.pubsub.Publish("orders", m.Copy()); err != nil {
+		t.Fatal(err)
+	}
+	awaitWithin(t, 20*time.Second, "the redelivery applied", func() bool { return f.effects(m.UUID) == 1 }, func() string { return "no effect" })
+	if _, err := f.replay(inbox.ReplayFilter{IDs: []int64{f.poisonOf(m.UUID).id}, By: "test"}); err != nil {
+		t.Fatal(err)
+	}
+	awaitWithin(t, 20*time.Second, "the replay settled", func() bool { return f.poisonOf(m.UUID).state != inbox.StateReplayRequested },
+		func() string { return "still requested" })
+	if p := f.poisonOf(m.UUID); p.state != stateDuplicate || r.runsOf(m.UUID) != 1 || f.effects(m.UUID) != 1 {
+		t.Errorf("state %q, %d handler runs, %d effects; want duplicate, 1 (the redelivery's) and 1", p.state, r.runsOf(m.UUID), f.effects(m.UUID))
 	}
 }
