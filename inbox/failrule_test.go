@@ -15,21 +15,9 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
-
-// awaitWithin polls cond until it holds, and fails the test with what and why() once limit
-// has passed: the wait of a test whose bug makes a consumer retry forever.
-func awaitWithin(t *testing.T, limit time.Duration, what string, cond func() bool, why func() string) {
-	t.Helper()
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %s: %s; %s", limit, what, why())
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
 
 // ackWatch is a Subscriber that counts, per message UUID, the deliveries the router
 // acknowledged and those it nacked (which the Go channel delivers again).
@@ -141,7 +129,7 @@ func TestRouterGivesUpAMessageThatKeepsTimingOut(t *testing.T) {
 	poisonRows := func() int {
 		return f.count(`SELECT count(*) FROM `+f.db.Table("inbox_poison")+` WHERE message_uuid = $1`, msg.UUID)
 	}
-	awaitWithin(t, 20*time.Second, "the message given up and acknowledged",
+	testutil.AwaitWithin(t, 20*time.Second, "the message given up and acknowledged",
 		func() bool { acks, _ := sub.counts(msg.UUID); return poisonRows() == 1 && acks == 1 },
 		func() string {
 			acks, nacks := sub.counts(msg.UUID)

@@ -14,6 +14,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/pubsub/gochannel"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -44,7 +45,7 @@ func TestReplayWhoseKeyIsTakenIsADuplicate(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	awaitWithin(t, 20*time.Second, "both messages given up", func() bool {
+	testutil.AwaitWithin(t, 20*time.Second, "both messages given up", func() bool {
 		return f.count(`SELECT count(*) FROM `+f.db.Table("inbox_poison")) == 2
 	}, func() string { return fmt.Sprintf("states %v", f.states()) })
 	broken.Store(false) // the fix is deployed
@@ -77,19 +78,19 @@ func TestReplayWhoseKeyIsTakenIsADuplicate(t *testing.T) {
 	blocked := func() int {
 		return f.count(`SELECT count(*) FROM pg_stat_activity WHERE $1::int = ANY(pg_blocking_pids(pid))`, otherPID)
 	}
-	awaitWithin(t, 20*time.Second, "the replay of m waiting for the other delivery's dedup row", func() bool { return blocked() > 0 },
+	testutil.AwaitWithin(t, 20*time.Second, "the replay of m waiting for the other delivery's dedup row", func() bool { return blocked() > 0 },
 		func() string { return fmt.Sprintf("m's row is %q", f.poisonOf(m.UUID).state) })
 	if err := other.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	awaitWithin(t, 20*time.Second, "the replay of m settled", func() bool { return f.poisonOf(m.UUID).state != inbox.StateReplayRequested },
+	testutil.AwaitWithin(t, 20*time.Second, "the replay of m settled", func() bool { return f.poisonOf(m.UUID).state != inbox.StateReplayRequested },
 		func() string { return "m's row is still replay_requested" })
 
 	// Later looks: n's replay, requested now, is applied after them.
 	if _, err := f.replay(inbox.ReplayFilter{IDs: []int64{f.poisonOf(n.UUID).id}, By: "test"}); err != nil {
 		t.Fatal(err)
 	}
-	awaitWithin(t, 20*time.Second, "the replay of n applied", func() bool { return f.poisonOf(n.UUID).state == inbox.StateReplayed },
+	testutil.AwaitWithin(t, 20*time.Second, "the replay of n applied", func() bool { return f.poisonOf(n.UUID).state == inbox.StateReplayed },
 		func() string { return fmt.Sprintf("n's row is %q", f.poisonOf(n.UUID).state) })
 
 	runsM, runsN := r.runsOf(m.UUID), r.runsOf(n.UUID)
@@ -173,7 +174,7 @@ func TestReplayAfterRetentionAndARedeliveryIsADuplicate(t *testing.T) {
 	if err := r.pubsub.Publish("orders", m); err != nil {
 		t.Fatal(err)
 	}
-	awaitWithin(t, 20*time.Second, "m given up", func() bool { return f.count(`SELECT count(*) FROM `+f.db.Table("inbox_poison")) == 1 },
+	testutil.AwaitWithin(t, 20*time.Second, "m given up", func() bool { return f.count(`SELECT count(*) FROM `+f.db.Table("inbox_poison")) == 1 },
 		func() string { return fmt.Sprintf("states %v", f.states()) })
 	r.broken.Store(false)
 	// The retention window passed: the dedup row is gone. The message came again and was applied.
@@ -184,11 +185,11 @@ func TestReplayAfterRetentionAndARedeliveryIsADuplicate(t *testing.T) {
 	if err := r.pubsub.Publish("orders", m.Copy()); err != nil {
 		t.Fatal(err)
 	}
-	awaitWithin(t, 20*time.Second, "the redelivery applied", func() bool { return f.effects(m.UUID) == 1 }, func() string { return "no effect" })
+	testutil.AwaitWithin(t, 20*time.Second, "the redelivery applied", func() bool { return f.effects(m.UUID) == 1 }, func() string { return "no effect" })
 	if _, err := f.replay(inbox.ReplayFilter{IDs: []int64{f.poisonOf(m.UUID).id}, By: "test"}); err != nil {
 		t.Fatal(err)
 	}
-	awaitWithin(t, 20*time.Second, "the replay settled", func() bool { return f.poisonOf(m.UUID).state != inbox.StateReplayRequested },
+	testutil.AwaitWithin(t, 20*time.Second, "the replay settled", func() bool { return f.poisonOf(m.UUID).state != inbox.StateReplayRequested },
 		func() string { return "still requested" })
 	if p := f.poisonOf(m.UUID); p.state != stateDuplicate || r.runsOf(m.UUID) != 1 || f.effects(m.UUID) != 1 {
 		t.Errorf("state %q, %d handler runs, %d effects; want duplicate, 1 (the redelivery's) and 1", p.state, r.runsOf(m.UUID), f.effects(m.UUID))

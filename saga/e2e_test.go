@@ -13,6 +13,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
@@ -74,6 +75,12 @@ func quietLogger() *slog.Logger {
 // inboxkafka.BatchConsumers in a batched world — one consumer group per handler, and the
 // orchestrator's timers. stop ends them all and checks they stopped cleanly.
 func (w *world) throughKafka(brokers []string) (stop func()) {
+	return w.throughKafkaWith(brokers, w.action)
+}
+
+// throughKafkaWith is throughKafka with the participants' action handlers of action(name) in
+// place of the world's.
+func (w *world) throughKafkaWith(brokers []string, action func(name string) func(context.Context, pgx.Tx, stepCmd) (stepResult, error)) (stop func()) {
 	t := w.t
 	ctx, cancel := context.WithCancel(context.Background())
 	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: brokers})
@@ -96,7 +103,7 @@ func (w *world) throughKafka(brokers []string) (stop func()) {
 	if w.batched {
 		consume := func(group string, p inbox.BatchProcessor, topics ...string) {
 			c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: brokers, Group: group, Topics: topics, Processor: p,
-				MaxAttempts: max(w.maxAttempts, 1), Logger: quietLogger()})
+				MaxAttempts: max(w.maxAttempts, 1), Backoff: 10 * time.Millisecond, Logger: quietLogger()})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -104,7 +111,7 @@ func (w *world) throughKafka(brokers []string) (stop func()) {
 		}
 		for _, name := range stepNames {
 			p := w.participant(name)
-			consume("svc-"+name, saga.ActionProcessor(p, w.action(name)), "cmd."+name)
+			consume("svc-"+name, saga.ActionProcessor(p, action(name)), "cmd."+name)
 			consume("undo-"+name, saga.CompensationProcessor(p, w.compensation(name)), "undo."+name)
 		}
 		consume("orchestrator", w.orch, w.orch.ReplyTopics()...)
@@ -122,7 +129,7 @@ func (w *world) throughKafka(brokers []string) (stop func()) {
 		}
 		for _, name := range stepNames {
 			p := w.participant(name)
-			router.AddConsumerHandler(name, "cmd."+name, subscriber("svc-"+name), saga.Action(p, w.action(name)))
+			router.AddConsumerHandler(name, "cmd."+name, subscriber("svc-"+name), saga.Action(p, action(name)))
 			router.AddConsumerHandler("undo-"+name, "undo."+name, subscriber("undo-"+name), saga.Compensation(p, w.compensation(name)))
 		}
 		for _, topic := range w.orch.ReplyTopics() {

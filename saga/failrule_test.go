@@ -14,16 +14,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ThreeDotsLabs/watermill"
-	"github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
-	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/onceflow/onceflow/inbox"
-	"github.com/onceflow/onceflow/inbox/inboxkafka"
 	"github.com/onceflow/onceflow/internal/kafkatest"
-	"github.com/onceflow/onceflow/relay"
-	"github.com/onceflow/onceflow/relay/relaykafka"
 	"github.com/onceflow/onceflow/saga"
 )
 
@@ -231,76 +224,5 @@ func (w *world) waitFinishedWithin(ids []string, limit time.Duration, why func()
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
-	}
-}
-
-// throughKafkaWith is throughKafka with the participants' action handlers of action(name)
-// in place of the world's.
-func (w *world) throughKafkaWith(brokers []string, action func(name string) func(context.Context, pgx.Tx, stepCmd) (stepResult, error)) (stop func()) {
-	t := w.t
-	ctx, cancel := context.WithCancel(context.Background())
-	sink, err := relaykafka.NewSink(relaykafka.Config{Brokers: brokers})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := relay.New(relay.Config{Pool: w.db.Pool, Sink: sink, Schema: w.db.Schema, PollInterval: 20 * time.Millisecond,
-		Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var done []chan error
-	goRun := func(run func(context.Context) error) {
-		ch := make(chan error, 1)
-		go func() { ch <- run(ctx) }()
-		done = append(done, ch)
-	}
-	goRun(r.Run)
-	goRun(w.orch.Run)
-	if w.batched {
-		consume := func(group string, p inbox.BatchProcessor, topics ...string) {
-			c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{Brokers: brokers, Group: group, Topics: topics, Processor: p,
-				MaxAttempts: max(w.maxAttempts, 1), Backoff: 10 * time.Millisecond, Logger: quietLogger()})
-			if err != nil {
-				t.Fatal(err)
-			}
-			goRun(c.Run)
-		}
-		for _, name := range stepNames {
-			p := w.participant(name)
-			consume("svc-"+name, saga.ActionProcessor(p, action(name)), "cmd."+name)
-			consume("undo-"+name, saga.CompensationProcessor(p, w.compensation(name)), "undo."+name)
-		}
-		consume("orchestrator", w.orch, w.orch.ReplyTopics()...)
-	} else {
-		router, err := message.NewRouter(message.RouterConfig{CloseTimeout: 10 * time.Second}, watermill.NopLogger{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		subscriber := func(group string) message.Subscriber {
-			sub, err := kafka.NewSubscriber(inboxkafka.SubscriberConfig(brokers, group), watermill.NopLogger{})
-			if err != nil {
-				t.Fatal(err)
-			}
-			return sub
-		}
-		for _, name := range stepNames {
-			p := w.participant(name)
-			router.AddConsumerHandler(name, "cmd."+name, subscriber("svc-"+name), saga.Action(p, action(name)))
-			router.AddConsumerHandler("undo-"+name, "undo."+name, subscriber("undo-"+name), saga.Compensation(p, w.compensation(name)))
-		}
-		for _, topic := range w.orch.ReplyTopics() {
-			router.AddConsumerHandler("orchestrator-"+topic, topic, subscriber("orchestrator-"+topic), w.orch.Handler)
-		}
-		goRun(router.Run)
-		<-router.Running()
-	}
-	return func() {
-		cancel()
-		for _, ch := range done {
-			if err := <-ch; err != nil {
-				t.Error(err)
-			}
-		}
-		_ = sink.Close()
 	}
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
 	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -46,19 +47,6 @@ func produceRaw(t *testing.T, brokers []string, topic, key string, payloads ...[
 	return uuids
 }
 
-// awaitWithin polls cond until it holds, and fails the test with what and why() once limit
-// has passed: the wait of a test whose bug makes a consumer retry forever.
-func awaitWithin(t *testing.T, limit time.Duration, what string, cond func() bool, why func() string) {
-	t.Helper()
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("not within %s: %s; %s", limit, what, why())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // Issue 33: a batched consumer whose handler decodes JSON with json.NewDecoder gets io.EOF
 // for an empty payload. That error is the message's, not the database's: with MaxAttempts 2
 // the message is given up (one inbox_poison row) within seconds, and the next message of the
@@ -88,7 +76,7 @@ func TestBatchConsumerGivesUpAnUndecodablePayload(t *testing.T) {
 	applied := func() int {
 		return f.count(`SELECT count(*) FROM `+f.db.Table("effect")+` WHERE msg_uuid = $1`, valid)
 	}
-	awaitWithin(t, 20*time.Second, "the empty payload given up and the next message of its key applied",
+	testutil.AwaitWithin(t, 20*time.Second, "the empty payload given up and the next message of its key applied",
 		func() bool { return poisoned() == 1 && applied() == 1 },
 		func() string {
 			return fmt.Sprintf("%d poison rows of the empty payload, %d effects of the next message "+

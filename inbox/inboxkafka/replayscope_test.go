@@ -16,6 +16,7 @@ import (
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
 	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -107,11 +108,11 @@ func TestBatchReplaysRunOnlyTheirOwnHandlersRows(t *testing.T) {
 		}
 		return out
 	}
-	awaitWithin(t, 20*time.Second, "consumer A replays its own row",
+	testutil.AwaitWithin(t, 20*time.Second, "consumer A replays its own row",
 		func() bool { return state(msgA) != inbox.StateReplayRequested },
 		func() string { return fmt.Sprintf("handlers ran %v", ranBy()) })
 	f.start("group-b", procB, onB) // B is back
-	awaitWithin(t, 20*time.Second, "consumer B replays its own row",
+	testutil.AwaitWithin(t, 20*time.Second, "consumer B replays its own row",
 		func() bool { return state(msgB) != inbox.StateReplayRequested },
 		func() string { return fmt.Sprintf("handlers ran %v", ranBy()) })
 
