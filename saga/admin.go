@@ -91,6 +91,40 @@ type Detail struct {
 	// TraceParent is the W3C traceparent of the caller of StartTx ("" when it had none):
 	// its trace id finds the saga's spans in a tracing backend.
 	TraceParent string
+	// ParkedReplies counts the saga's replies that reached orchestrators lacking its
+	// definition version and wait, parked, for one that has it (a rolling deploy: see
+	// docs/sagas.md, "Rolling deploys: versions side by side"); Wait.For is WaitVersion
+	// while there are any. AwaitingVersion is then the version they await (the saga's
+	// own, Version), 0 when none is parked.
+	ParkedReplies   int
+	AwaitingVersion int
+}
+
+// ParkedVersion counts the parked replies of one definition version (Admin.ParkedByVersion).
+type ParkedVersion struct {
+	Name    string
+	Version int
+	// Replies and Sagas count the parked replies and the sagas they belong to.
+	Replies, Sagas int64
+	// Oldest is when the oldest of them parked, CheckedAt the database's clock when they were
+	// counted: a wait that keeps growing means no running orchestrator has the version.
+	Oldest, CheckedAt time.Time
+}
+
+// ParkedByVersion counts the parked replies per definition name and version, for `onceflow
+// status`: replies that reached orchestrators without their saga's version registered, which
+// an orchestrator that has it applies (docs/sagas.md, "Rolling deploys: versions side by
+// side"). The table holds rows only while a deploy is under way, so it is counted in full.
+func (a *Admin) ParkedByVersion(ctx context.Context, db DB) ([]ParkedVersion, error) {
+	rows, err := db.Query(ctx, a.st.park.byVersion)
+	if err != nil {
+		return nil, fmt.Errorf("saga: count parked replies: %w", a.st.explain(err))
+	}
+	out, err := pgx.CollectRows(rows, pgx.RowToStructByPos[ParkedVersion])
+	if err != nil {
+		return nil, fmt.Errorf("saga: count parked replies: %w", a.st.explain(err))
+	}
+	return out, nil
 }
 
 // Timer is a pending timer of a saga.
@@ -291,7 +325,14 @@ func (a *Admin) Get(ctx context.Context, db DB, id string) (*Detail, error) {
 	if err != nil {
 		return nil, fmt.Errorf("saga: timers of %q: %w", id, a.st.explain(err))
 	}
-	if d.Wait, err = a.wait(ctx, db, in, d.Timers); err != nil {
+	var p parkedInfo
+	if err := db.QueryRow(ctx, a.st.park.count, id).Scan(&p.count, &p.since, &p.lastError); err != nil {
+		return nil, fmt.Errorf("saga: parked replies of %q: %w", id, a.st.explain(err))
+	}
+	if d.ParkedReplies = p.count; p.count > 0 {
+		d.AwaitingVersion = in.Version
+	}
+	if d.Wait, err = a.wait(ctx, db, in, d.Timers, p); err != nil {
 		return nil, err
 	}
 	return d, nil

@@ -43,7 +43,9 @@ var (
 // in id order (two orchestrators never deadlock), replies of the same saga are applied in
 // order on one in-memory row, and the rows, timers and every command they send go to the
 // server in one pipelined round trip before the commit. A reply whose transition cannot be
-// computed fails the batch as an *inbox.MessageError naming it.
+// computed fails the batch as an *inbox.MessageError naming it. A reply of a saga whose
+// definition version is not registered here is no failure: it is parked in the batch's
+// transaction for an orchestrator that has the version (RedriveParked), and the batch goes on.
 //
 // When a registered definition has local steps, each of which runs in a savepoint, the batch
 // is applied in several transactions of at most 60 ÷ (local steps per transition) replies,
@@ -80,14 +82,26 @@ func (o *Orchestrator) processBatch(ctx context.Context, msgs []*message.Message
 		return nil
 	}
 	res, err := o.run.Run(ctx, len(msgs), u)
+	o.settle(u, res, err)
+	return err
+}
+
+// settle counts and traces the transitions of a transaction of replies once it committed,
+// and logs and counts the replies it parked; it ends the replies' spans either way.
+func (o *Orchestrator) settle(u *replyBatch, res engine.Result, err error) {
+	committed := err == nil && res.Outcome == engine.Applied
 	for _, d := range u.done {
-		if err == nil && res.Outcome == engine.Applied {
+		if committed {
 			o.observe(d.in, d.fx, u.now)
 			noteTransition(d.ctx, d.in, d.fx)
 		}
 		endMessage(d.span, err)
 	}
-	return err
+	if committed {
+		for _, p := range u.parked {
+			o.noteParked(p)
+		}
+	}
 }
 
 // reply is one readable reply of a batch.
@@ -109,6 +123,12 @@ type replyBatch struct {
 	// reply whose transition sent commands[i].
 	commands []*message.Message
 	origin   []int
+	// parked are the replies this transaction parks (parked.go): their saga's definition
+	// version is not registered here, or the saga has parked replies already.
+	parked []parkedReply
+	// redrive is set when the replies are parked ones, claimed from saga_parked by the
+	// re-drive (parked.go) rather than handed over by a consumer.
+	redrive *redrive
 }
 
 // transition is a reply's computed transition, traced and counted once it committed.
@@ -121,12 +141,18 @@ type transition struct {
 
 // Apply implements engine.Unit: the replies' dedup keys claimed and their sagas locked in one
 // round trip, then each new reply's transition computed (and run: OnReplyTx, local steps) on
-// its saga's row in memory, replies of one saga in order.
+// its saga's row in memory, replies of one saga in order. A reply of a saga whose definition
+// version is not registered here, or that has parked replies, is parked (parked.go). A
+// re-drive's replies are claimed from saga_parked instead, and deleted there.
 func (u *replyBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 	o := u.o
-	fresh, lk, err := u.claimAndLock(ctx, tx)
+	claim := u.claimAndLock
+	if u.redrive != nil {
+		claim = u.claimParked
+	}
+	fresh, lk, err := claim(ctx, tx)
 	if err != nil || len(fresh) == 0 {
-		return nil, err // every reply was a duplicate: nothing to commit
+		return nil, err // every reply was a duplicate (or none is parked): nothing to commit
 	}
 	if u.now = lk.now; len(lk.sagas) == 0 { // no row read, so no clock: none is needed either
 		u.now = time.Now()
@@ -145,8 +171,15 @@ func (u *replyBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 			continue
 		}
 		def, err := o.lookup(in.Name, in.Version)
-		if err != nil {
-			return nil, &inbox.MessageError{Index: r.index, Err: err}
+		if err != nil || lk.parked[in.ID] {
+			// Not the reply's fault: parked, in this transaction, for an orchestrator that has
+			// the version; and once a reply of a saga parks, its later ones park behind it.
+			u.park(r, in, err != nil)
+			lk.parked[in.ID] = true
+			continue
+		}
+		if u.redrive != nil {
+			u.redrive.drain = append(u.redrive.drain, r)
 		}
 		mctx, span := startMessage(o.tr, r.msg, r.ref, o.cfg.Consumer)
 		fx, err := o.advance(mctx, tx, def, in, u.now, replyOf(r.msg, r.ref))
@@ -175,6 +208,13 @@ func (u *replyBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 			return nil, err
 		}
 	}
+	if rd := u.redrive; rd != nil && len(rd.drain) > 0 {
+		ids, keys := make([]string, len(rd.drain)), make([]string, len(rd.drain))
+		for i, r := range rd.drain {
+			ids[i], keys[i] = r.ref.ID, r.key
+		}
+		u.b.Queue(o.st.park.drain, ids, keys)
+	}
 	return applied, nil
 }
 
@@ -194,7 +234,16 @@ func (u *replyBatch) claimAndLock(ctx context.Context, tx pgx.Tx) ([]reply, lock
 	if err := u.o.run.QueueClaim(b, keys, &claimed); err != nil {
 		return nil, lk, err
 	}
-	u.o.st.queueLockMany(b, slices.Compact(ids), &lk)
+	ids = slices.Compact(ids)
+	u.o.st.queueLockMany(b, ids, &lk)
+	// Read after the sagas are locked (a statement of its own, so with a snapshot taken
+	// then): a reply parks only under its saga's lock, so no parked reply is missed.
+	lk.parked = map[string]bool{}
+	b.Queue(u.o.st.park.among, ids).Query(func(rows pgx.Rows) error {
+		var id string
+		_, err := pgx.ForEachRow(rows, []any{&id}, func() error { lk.parked[id] = true; return nil })
+		return err
+	})
 	if err := tx.SendBatch(ctx, b).Close(); err != nil {
 		return nil, lk, fmt.Errorf("saga: claim %d replies and lock their sagas: %w", len(keys), u.o.st.explain(err))
 	}

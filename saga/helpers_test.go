@@ -43,23 +43,7 @@ var stepNames = []string{"reserve", "charge", "confirm"}
 func checkoutDef(t testing.TB, mod func(name string, s *saga.StepDef[Checkout]), opts ...saga.Option) *saga.Definition[Checkout] {
 	var steps []*saga.StepDef[Checkout]
 	for _, name := range stepNames {
-		s := saga.Step[Checkout](name).
-			Send("cmd."+name, func(c Checkout) (any, error) { return stepCmd{Order: c.Order}, nil }).
-			OnReply(func(c *Checkout, r saga.Reply) error {
-				var res stepResult
-				if err := r.Decode(&res); err != nil {
-					return err
-				}
-				switch name {
-				case "reserve":
-					c.ReservationID = res.ID
-				case "charge":
-					c.PaymentID = res.ID
-				}
-				return nil
-			}).
-			Compensate("undo."+name, func(c Checkout) (any, error) { return stepCmd{Order: c.Order}, nil }).
-			Attempts(3, 10*time.Millisecond)
+		s := checkoutStep(name)
 		if mod != nil {
 			mod(name, s)
 		}
@@ -73,6 +57,28 @@ func checkoutDef(t testing.TB, mod func(name string, s *saga.StepDef[Checkout]),
 		t.Fatal(err)
 	}
 	return def
+}
+
+// checkoutStep is a step of checkoutDef: it sends cmd.<name>, keeps the reservation's and
+// the payment's ids from the replies, and is compensated by undo.<name>.
+func checkoutStep(name string) *saga.StepDef[Checkout] {
+	return saga.Step[Checkout](name).
+		Send("cmd."+name, func(c Checkout) (any, error) { return stepCmd{Order: c.Order}, nil }).
+		OnReply(func(c *Checkout, r saga.Reply) error {
+			var res stepResult
+			if err := r.Decode(&res); err != nil {
+				return err
+			}
+			switch name {
+			case "reserve":
+				c.ReservationID = res.ID
+			case "charge":
+				c.PaymentID = res.ID
+			}
+			return nil
+		}).
+		Compensate("undo."+name, func(c Checkout) (any, error) { return stepCmd{Order: c.Order}, nil }).
+		Attempts(3, 10*time.Millisecond)
 }
 
 // world is one test's database, orchestrator, participants and bus. Participants record

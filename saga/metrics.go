@@ -34,6 +34,11 @@ type Metrics interface {
 	// StepError: a participant's handler kept failing with an ordinary error (neither Fail
 	// nor Retry) and its command was answered as a failed attempt carrying the error.
 	StepError(consumer string)
+	// AwaitingVersion: a reply reached an orchestrator that does not have its saga's
+	// definition version registered, and was parked until one that has it applies it (a
+	// rolling deploy: docs/sagas.md, "Rolling deploys: versions side by side"). A count that
+	// keeps growing means no running orchestrator has that version.
+	AwaitingVersion(name string, version int)
 }
 
 // BarrierOutcome names what a participant's barrier did with a command.
@@ -75,6 +80,9 @@ func (NopMetrics) LocalStep(string, string, outbox.SagaPhase, string) {}
 // Barrier implements Metrics.
 func (NopMetrics) Barrier(string, BarrierOutcome) {}
 
+// AwaitingVersion implements Metrics.
+func (NopMetrics) AwaitingVersion(string, int) {}
+
 // Counters is a Metrics that keeps totals over all sagas and participants, for tests, demos
 // and health pages. The zero value is ready to use.
 type Counters struct {
@@ -82,6 +90,7 @@ type Counters struct {
 	duplicates, nullCompensations, hangingActions   atomic.Int64
 	stepErrors                                      atomic.Int64
 	localRuns, localFailures                        atomic.Int64
+	awaitingVersion                                 atomic.Int64
 }
 
 var _ Metrics = (*Counters)(nil)
@@ -103,6 +112,9 @@ func (c *Counters) Ignored(string) { c.ignored.Add(1) }
 
 // StepError implements Metrics.
 func (c *Counters) StepError(string) { c.stepErrors.Add(1) }
+
+// AwaitingVersion implements Metrics.
+func (c *Counters) AwaitingVersion(string, int) { c.awaitingVersion.Add(1) }
 
 // LocalStep implements Metrics.
 func (c *Counters) LocalStep(_, _ string, _ outbox.SagaPhase, outcome string) {
@@ -132,6 +144,9 @@ type CountersSnapshot struct {
 	// LocalRuns counts local step runs (actions and compensations) that committed;
 	// LocalFailures those of them that failed (saga.Fail or an error).
 	LocalRuns, LocalFailures int64
+	// AwaitingVersion counts replies parked because the orchestrator lacked their saga's
+	// definition version.
+	AwaitingVersion int64
 }
 
 // Snapshot returns the current totals.
@@ -141,6 +156,6 @@ func (c *Counters) Snapshot() CountersSnapshot {
 		Stuck: c.stuck.Load(), Ignored: c.ignored.Load(),
 		Duplicates: c.duplicates.Load(), NullCompensations: c.nullCompensations.Load(), HangingActions: c.hangingActions.Load(),
 		LocalRuns: c.localRuns.Load(), LocalFailures: c.localFailures.Load(),
-		StepErrors: c.stepErrors.Load(),
+		StepErrors: c.stepErrors.Load(), AwaitingVersion: c.awaitingVersion.Load(),
 	}
 }

@@ -323,7 +323,7 @@ func (o *Orchestrator) Run(ctx context.Context) error {
 		since    time.Time
 	)
 	for {
-		err := o.fireAll(ctx)
+		err := o.round(ctx) // parked.go: parked replies, then due timers
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -363,6 +363,8 @@ func (o *Orchestrator) fireAll(ctx context.Context) error {
 
 // FireDue fires the timers due now, up to TimerBatch of them, in one transaction, and returns
 // how many it fired. Run calls it; tests and single-process harnesses may call it directly.
+// Only timers of sagas whose definition version is registered here are claimed: another
+// orchestrator, that has the version, fires the others (a rolling deploy).
 // When a timer's transition fails, the batch's timers are fired one per transaction, so one
 // saga whose transition keeps failing (it is postponed by a minute and logged) cannot hold up
 // the others. Any other failure (claiming the timers, the database) is returned as it is:
@@ -479,7 +481,7 @@ type firedTimer struct {
 // Apply implements engine.Unit. A transition that fails is a *timerError naming its saga.
 func (u *timerBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 	o := u.o
-	dues, err := o.st.claimDueTx(ctx, tx, u.limit)
+	dues, err := o.st.claimDueTx(ctx, tx, u.limit, o.registered())
 	if err != nil {
 		return nil, err
 	}

@@ -19,6 +19,7 @@ type store struct {
 	insert, lock, lockMany, update, setTimer  string
 	delTimer, stuck                           string
 	delTimers, claimTimers, selectOne, insOpr string
+	park                                      parkedSQL // parked.go
 }
 
 func newStore(schema string) store {
@@ -26,6 +27,7 @@ func newStore(schema string) store {
 	cols := `id, name, version, state, step, attempt, budget, waiting, data, steps, error, created_at, updated_at, trace`
 	return store{
 		schema: schema,
+		park:   newParkedSQL(schema),
 		insert: `INSERT INTO ` + sagaT + ` (id, name, version, state, step, attempt, budget, waiting, data, steps, trace)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (id) DO NOTHING`,
 		selectOne: `SELECT ` + cols + `, now() FROM ` + sagaT + ` WHERE id = $1`,
@@ -53,9 +55,14 @@ func newStore(schema string) store {
 		// Both rows locked, or the pair skipped: a transition in progress holds the saga row,
 		// and the timer is looked at again on the next tick. Never waits, so it cannot
 		// deadlock with a reply that locks the saga and then changes its timer.
+		// Only timers of sagas whose definition name and version ($2, $3: the orchestrator's
+		// registered ones) the claiming orchestrator has: another one, that has the version,
+		// fires the others (a rolling deploy). The due rows are walked on saga_timer_due_at_idx,
+		// each joined to its saga by primary key.
 		claimTimers: `SELECT t.saga_id, t.kind, t.step, t.phase, t.attempt, t.action, t.due_at FROM ` + timerT + ` t
 			JOIN ` + sagaT + ` s ON s.id = t.saga_id
-			WHERE t.due_at <= now() ORDER BY t.due_at LIMIT $1 FOR UPDATE OF t, s SKIP LOCKED`,
+			WHERE t.due_at <= now() AND (s.name, s.version) IN (SELECT r.name, r.version FROM unnest($2::text[], $3::int[]) AS r (name, version))
+			ORDER BY t.due_at LIMIT $1 FOR UPDATE OF t, s SKIP LOCKED`,
 	}
 }
 
@@ -178,11 +185,14 @@ func (st store) queueTimers(b *pgx.Batch, id string, fx *effects, deadline *time
 }
 
 // locked is what queueLockMany read: the sagas by id, those whose row cannot be read (a
-// corrupt step history: only their replies fail), and the database's clock.
+// corrupt step history: only their replies fail), and the database's clock; and which of
+// them have parked replies.
 type locked struct {
 	sagas  map[string]*instance
 	broken map[string]error
 	now    time.Time
+	// parked holds the sagas that have parked replies (parked.go).
+	parked map[string]bool
 }
 
 // queueLockMany queues the locking read of the sagas with the given ids (sorted, distinct)
@@ -215,9 +225,10 @@ type due struct {
 	t      timer
 }
 
-// claimDueTx locks up to limit due timers (and their sagas) in tx.
-func (st store) claimDueTx(ctx context.Context, tx pgx.Tx, limit int) ([]due, error) {
-	rows, err := tx.Query(ctx, st.claimTimers, limit)
+// claimDueTx locks up to limit due timers (and their sagas) in tx, of sagas whose definition
+// is one of the registered ones (versions).
+func (st store) claimDueTx(ctx context.Context, tx pgx.Tx, limit int, v versions) ([]due, error) {
+	rows, err := tx.Query(ctx, st.claimTimers, limit, v.names, v.versions)
 	if err != nil {
 		return nil, fmt.Errorf("saga: claim due timers: %w", st.explain(err))
 	}

@@ -30,12 +30,18 @@ const (
 	WaitRun = "run"
 	// WaitOperator: the saga is stuck; it waits for `onceflow saga retry` once the cause is fixed.
 	WaitOperator = "operator"
+	// WaitVersion: replies of the saga reached orchestrators that lack its definition version
+	// and were parked; the saga awaits an orchestrator with definition Wait.Definition version
+	// Wait.Version registered, which applies them in order (a rolling deploy: docs/sagas.md,
+	// "Rolling deploys: versions side by side").
+	WaitVersion = "version"
 )
 
 // Wait says what an unfinished saga waits for: its current command, where that command is,
 // and the timer that ends the wait.
 type Wait struct {
-	// For is WaitRelay, WaitParked, WaitReply, WaitResend, WaitRun or WaitOperator.
+	// For is WaitRelay, WaitParked, WaitReply, WaitResend, WaitRun, WaitOperator or
+	// WaitVersion.
 	For string
 	// Local is set when the step's phase waited on is local: it runs in an orchestrator's
 	// transaction, so the saga waits only for a re-run (WaitResend), its first run (WaitRun)
@@ -61,13 +67,28 @@ type Wait struct {
 	// and its last error (WaitRelay, WaitParked).
 	PublishAttempts int
 	PublishError    string
-	// LastError is the step's last failure (WaitResend, WaitOperator).
+	// LastError is the step's last failure (WaitResend, WaitOperator); for WaitVersion, the
+	// last error of an orchestrator that has the version and failed to apply the oldest
+	// parked reply ("" when none tried).
 	LastError string
+	// Definition and Version name, for WaitVersion, what the saga awaits: an orchestrator with
+	// that definition version registered (the saga's own name and version). Parked counts its
+	// parked replies; Since is then when the oldest of them parked.
+	Definition string
+	Version    int
+	Parked     int
 }
 
-// wait derives what in waits for from its row and timers, then looks the current command up
-// in the outbox and outbox_parked when the saga waits for its reply.
-func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer) (*Wait, error) {
+// parkedInfo is what Admin.Get read of a saga's parked replies.
+type parkedInfo struct {
+	count     int
+	since     *time.Time
+	lastError string
+}
+
+// wait derives what in waits for from its row, timers and parked replies, then looks the
+// current command up in the outbox and outbox_parked when the saga waits for its reply.
+func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer, parked parkedInfo) (*Wait, error) {
 	if in.State.Finished() || in.Step < 0 || in.Step >= len(in.Steps) {
 		return nil, nil
 	}
@@ -92,6 +113,12 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer) (
 	switch {
 	case in.State == StateStuck:
 		w.For, w.Due = WaitOperator, nil
+		return w, nil
+	case parked.count > 0:
+		w.For, w.Definition, w.Version, w.Parked, w.LastError = WaitVersion, in.Name, in.Version, parked.count, parked.lastError
+		if parked.since != nil {
+			w.Since = *parked.since
+		}
 		return w, nil
 	case in.Waiting == waitResend:
 		w.For = WaitResend

@@ -7,6 +7,7 @@
 package sagaprom
 
 import (
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -25,6 +26,7 @@ import (
 //	onceflow_saga_barrier_total{consumer, outcome}  outcome: duplicate, null_compensation, hanging_action
 //	onceflow_saga_step_errors_total{consumer}   commands whose handler kept failing, answered as failed attempts
 //	onceflow_saga_local_steps_total{saga, step, phase, outcome}  local step runs; outcome: done, failed, retry
+//	onceflow_saga_awaiting_version_total{saga, version}  replies parked for an orchestrator that has their saga's version
 type Metrics struct {
 	saga.NopMetrics
 	started  *prometheus.CounterVec
@@ -35,6 +37,7 @@ type Metrics struct {
 	barrier  *prometheus.CounterVec
 	errors   *prometheus.CounterVec
 	local    *prometheus.CounterVec
+	awaiting *prometheus.CounterVec
 }
 
 var _ saga.Metrics = (*Metrics)(nil)
@@ -62,8 +65,10 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 		barrier: counter("barrier_total", "Commands a participant's barrier skipped or short-cut, by outcome (duplicate, null_compensation, hanging_action).", "consumer", "outcome"),
 		errors:  counter("step_errors_total", "Commands whose handler kept failing with an ordinary error, answered as failed attempts carrying it.", "consumer"),
 		local:   counter("local_steps_total", "Local step runs (in the orchestrator's transaction) that committed, by outcome (done, failed, retry).", "saga", "step", "phase", "outcome"),
+		awaiting: counter("awaiting_version_total", "Replies that reached an orchestrator without their saga's definition version registered, "+
+			"parked until one that has it applies them (a rolling deploy); growing means no running orchestrator has that version.", "saga", "version"),
 	}
-	for _, c := range []prometheus.Collector{m.started, m.finished, m.duration, m.stuck, m.ignored, m.barrier, m.errors, m.local} {
+	for _, c := range []prometheus.Collector{m.started, m.finished, m.duration, m.stuck, m.ignored, m.barrier, m.errors, m.local, m.awaiting} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -98,6 +103,11 @@ func (m *Metrics) Barrier(consumer string, o saga.BarrierOutcome) {
 
 // StepError implements saga.Metrics.
 func (m *Metrics) StepError(consumer string) { m.errors.WithLabelValues(consumer).Inc() }
+
+// AwaitingVersion implements saga.Metrics.
+func (m *Metrics) AwaitingVersion(name string, version int) {
+	m.awaiting.WithLabelValues(name, strconv.Itoa(version)).Inc()
+}
 
 // LocalStep implements saga.Metrics.
 func (m *Metrics) LocalStep(name, step string, phase outbox.SagaPhase, outcome string) {

@@ -24,6 +24,8 @@ func TestMetrics(t *testing.T) {
 	m.Stuck("checkout")
 	m.Ignored("checkout")
 	m.Barrier("inventory", saga.BarrierNullCompensation)
+	m.AwaitingVersion("checkout", 2)
+	m.AwaitingVersion("checkout", 2)
 	want := `
 # HELP onceflow_saga_finished_total Sagas that ended, by final state (completed, compensated).
 # TYPE onceflow_saga_finished_total counter
@@ -32,8 +34,12 @@ onceflow_saga_finished_total{saga="checkout",state="completed"} 1
 # HELP onceflow_saga_barrier_total Commands a participant's barrier skipped or short-cut, by outcome (duplicate, null_compensation, hanging_action).
 # TYPE onceflow_saga_barrier_total counter
 onceflow_saga_barrier_total{consumer="inventory",outcome="null_compensation"} 1
+# HELP onceflow_saga_awaiting_version_total Replies that reached an orchestrator without their saga's definition version registered, parked until one that has it applies them (a rolling deploy); growing means no running orchestrator has that version.
+# TYPE onceflow_saga_awaiting_version_total counter
+onceflow_saga_awaiting_version_total{saga="checkout",version="2"} 2
 `
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "onceflow_saga_finished_total", "onceflow_saga_barrier_total"); err != nil {
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "onceflow_saga_finished_total", "onceflow_saga_barrier_total",
+		"onceflow_saga_awaiting_version_total"); err != nil {
 		t.Fatal(err)
 	}
 	if n := testutil.CollectAndCount(reg, "onceflow_saga_duration_seconds"); n != 2 {

@@ -87,7 +87,8 @@ func (b *Bus) Orchestrate(o *saga.Orchestrator) {
 	b.orchs = append(b.orchs, o)
 }
 
-// Deliver fires due timers, then hands every outbox row pending now to the handlers of its
+// Deliver applies the orchestrators' parked replies (Orchestrator.RedriveParked) and fires
+// their due timers, then hands every outbox row pending now to the handlers of its
 // topic, in outbox order, deleting each row once its handlers succeeded. It returns how many
 // rows it delivered. A handler error stops it and is returned; that row stays pending. A batch
 // that fails as a whole (not a *inbox.MessageError) is retried first, as the batched
@@ -95,6 +96,9 @@ func (b *Bus) Orchestrate(o *saga.Orchestrator) {
 // Rows of topics nobody subscribed to are left in the outbox.
 func (b *Bus) Deliver(ctx context.Context) (int, error) {
 	for _, o := range b.orchs {
+		if _, err := o.RedriveParked(ctx); err != nil {
+			return 0, err
+		}
 		if _, err := o.FireDue(ctx); err != nil {
 			return 0, err
 		}
