@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
+	"github.com/onceflow/onceflow/saga"
 )
 
 // Thresholds decide when a Status reports something stuck; `onceflow status` takes them as
@@ -30,12 +31,16 @@ type Thresholds struct {
 	// MaxReplayWait: an inbox replay request waiting longer than this means no process of its
 	// consumer applies replays (none runs, or it has no replay loop). 0: no check.
 	MaxReplayWait time.Duration
+	// MaxVersionWait: a saga reply parked for longer than this, awaiting an orchestrator with
+	// its saga's definition version, means no running orchestrator has that version
+	// registered (a rolling deploy that removed it too early, or never finished). 0: no check.
+	MaxVersionWait time.Duration
 }
 
 // DefaultThresholds are `onceflow status`'s defaults.
 func DefaultThresholds() Thresholds {
 	return Thresholds{MaxOldest: 5 * time.Minute, MaxHeartbeat: time.Minute, MaxRetention: 100_000,
-		MaxSagaAge: time.Hour, Window: 72 * time.Hour, MaxTimerLag: time.Minute, MaxReplayWait: time.Minute}
+		MaxSagaAge: time.Hour, Window: 72 * time.Hour, MaxTimerLag: time.Minute, MaxReplayWait: time.Minute, MaxVersionWait: 5 * time.Minute}
 }
 
 // Status is one look at a schema; --json prints it as is.
@@ -71,7 +76,22 @@ type Status struct {
 	// MaxOverdueTimers; OldestOverdue is the most overdue of them.
 	OverdueTimers int64               `json:"overdue_saga_timers"`
 	OldestOverdue *StatusOverdueTimer `json:"oldest_overdue_timer,omitempty"`
-	thresholds    Thresholds
+	// AwaitingVersion counts, per definition name and version, the saga replies parked
+	// because they reached orchestrators without that version registered; an orchestrator
+	// that has it applies them (docs/sagas.md, "Rolling deploys: versions side by side").
+	AwaitingVersion []StatusAwaiting `json:"awaiting_version"`
+	thresholds      Thresholds
+}
+
+// StatusAwaiting counts the parked replies of one definition version.
+type StatusAwaiting struct {
+	Name    string `json:"name"`
+	Version int    `json:"version"`
+	// Replies and Sagas count the parked replies and the sagas they belong to;
+	// OldestAgeSeconds is how long the oldest of them has waited.
+	Replies          int64   `json:"replies"`
+	Sagas            int64   `json:"sagas"`
+	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 }
 
 // StatusOverdueTimer is a saga timer or operator request that no orchestrator fired.
@@ -219,6 +239,19 @@ func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*St
 	if err != nil {
 		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
 	}
+	sagas, err := saga.NewAdmin(schema)
+	if err != nil {
+		return nil, err
+	}
+	parked, err := sagas.ParkedByVersion(ctx, pool)
+	if err != nil {
+		return nil, err
+	}
+	r.AwaitingVersion = make([]StatusAwaiting, len(parked))
+	for i, p := range parked {
+		r.AwaitingVersion[i] = StatusAwaiting{Name: p.Name, Version: p.Version, Replies: p.Replies, Sagas: p.Sagas,
+			OldestAgeSeconds: p.CheckedAt.Sub(p.Oldest).Seconds()}
+	}
 	r.SagaStatesNote = "finished sagas (completed, compensated) are not counted: `onceflow saga list` lists them"
 	if th.MaxSagaAge > 0 {
 		// Stuck sagas are not counted here: --max-stuck-sagas reports them.
@@ -320,6 +353,13 @@ func (r *Status) check() {
 			"Start the service that runs the saga orchestrator (saga.Orchestrator.Run) on schema %s, or check its logs",
 			r.OverdueTimers, more, th.MaxTimerLag, o.Kind, o.Action, o.SagaID, o.Name,
 			time.Duration(o.OverdueSeconds*float64(time.Second)).Round(time.Second), r.Schema)
+	}
+	for _, a := range r.AwaitingVersion {
+		if wait := time.Duration(a.OldestAgeSeconds * float64(time.Second)); th.MaxVersionWait > 0 && wait > th.MaxVersionWait {
+			add("%d replies of %d %s sagas of version %d are parked, the oldest for %s (over %s): no running orchestrator has %s version %d registered. "+
+				"Deploy (or keep running) an orchestrator that registers it (saga.Register) until `onceflow saga list --name %s --version %d` shows none of its sagas unfinished; "+
+				"it applies the parked replies in order", a.Replies, a.Sagas, a.Name, a.Version, wait.Round(time.Second), th.MaxVersionWait, a.Name, a.Version, a.Name, a.Version)
+		}
 	}
 	var poison int64
 	for _, p := range r.InboxPoison {

@@ -280,6 +280,18 @@ func waitText(d *saga.Detail) string {
 			return s + fmt.Sprintf(", due %s (%s); is an orchestrator running?", fmtTime(*w.Due), until(*w.Due))
 		}
 		return s
+	case saga.WaitVersion:
+		replies := fmt.Sprintf("%d replies", w.Parked)
+		if w.Parked == 1 {
+			replies = "1 reply"
+		}
+		s := fmt.Sprintf("an orchestrator with definition %s version %d: %s of this saga reached orchestrators without that version registered and wait, parked, since %s (%s ago); "+
+			"deploy (or keep running) an orchestrator that registers %s version %d (saga.Register): it applies them in order",
+			w.Definition, w.Version, replies, fmtTime(w.Since), ago(w.Since), w.Definition, w.Version)
+		if w.LastError != "" {
+			s += fmt.Sprintf("; one that has it failed to apply the oldest: %s", oneLine(w.LastError))
+		}
+		return s
 	case saga.WaitOperator:
 		s := fmt.Sprintf("an operator: the %s of step %s did not succeed in %s", w.Phase, w.Step, plural(w.Attempt, "attempt"))
 		for _, t := range d.Timers {

@@ -26,7 +26,8 @@ const statusSynopsis = `status [flags]
 
 One screen for an operator: the relays (id, host, shards held, last heartbeat), the outbox
 backlog and the age of its oldest row, parked rows, rows past retention in each dedup table,
-sagas by state, overdue saga timers, and inbox messages given up as poison. Exits 4 when something is stuck (see the --max-* thresholds), 0 when
+sagas by state, overdue saga timers, saga replies parked awaiting an orchestrator with their
+definition version, and inbox messages given up as poison. Exits 4 when something is stuck (see the --max-* thresholds), 0 when
 all is well, 1 when it could not look. --watch refreshes it; --json prints it for scripts
 (one object per refresh).`
 
@@ -45,6 +46,7 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	fs.DurationVar(&th.MaxSagaAge, "max-saga-age", time.Hour, "stuck when a saga is running or compensating for longer than this since its start (0: no check)")
 	fs.Int64Var(&th.MaxPoison, "max-inbox-poison", 0, "stuck when more inbox messages than this were given up as poison (onceflow inbox poison)")
 	fs.DurationVar(&th.MaxTimerLag, "max-timer-lag", time.Minute, "stuck when a saga timer or operator request (saga retry, compensate) is overdue by more than this: no orchestrator fires them (0: no check)")
+	fs.DurationVar(&th.MaxVersionWait, "max-version-wait", 5*time.Minute, "stuck when a saga reply waits longer than this, parked, for an orchestrator with its saga's definition version: none running has it registered (0: no check)")
 	fs.DurationVar(&th.MaxReplayWait, "max-replay-wait", time.Minute, "stuck when an inbox replay request (onceflow inbox poison replay) waits longer than this: no process of its consumer applies replays (0: no check)")
 	windowText := fs.String("window", c.envOr("ONCEFLOW_RETENTION_WINDOW", strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s")),
 		"retention window of processed_event and finished sagas, as given to cleanup [ONCEFLOW_RETENTION_WINDOW]")
@@ -63,8 +65,8 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	if th.MaxOldest <= 0 || th.MaxHeartbeat <= 0 {
 		problems = append(problems, errors.New("--max-oldest-age and --max-heartbeat-age must be positive"))
 	}
-	if th.MaxParked < 0 || th.MaxRetention < 0 || th.MaxStuckSagas < 0 || th.MaxSagaAge < 0 || th.MaxPoison < 0 || th.MaxTimerLag < 0 || th.MaxReplayWait < 0 {
-		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age, --max-inbox-poison, --max-timer-lag and --max-replay-wait must be 0 or more"))
+	if th.MaxParked < 0 || th.MaxRetention < 0 || th.MaxStuckSagas < 0 || th.MaxSagaAge < 0 || th.MaxPoison < 0 || th.MaxTimerLag < 0 || th.MaxReplayWait < 0 || th.MaxVersionWait < 0 {
+		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age, --max-inbox-poison, --max-timer-lag, --max-replay-wait and --max-version-wait must be 0 or more"))
 	}
 	if fs.NArg() > 0 {
 		problems = append(problems, fmt.Errorf("unexpected arguments %q", fs.Args()))
@@ -158,6 +160,12 @@ func printStatus(w io.Writer, r *statusReport) error {
 	}
 	if r.OverdueTimers > 0 {
 		p.f("saga timers and operator requests overdue: %d\n", r.OverdueTimers)
+	}
+	if len(r.AwaitingVersion) > 0 {
+		p.f("\nAWAITING VERSION\tPARKED REPLIES\tSAGAS\tOLDEST WAITS\n")
+		for _, a := range r.AwaitingVersion {
+			p.f("%s v%d\t%d\t%d\t%s\n", a.Name, a.Version, a.Replies, a.Sagas, time.Duration(a.OldestAgeSeconds*float64(time.Second)).Round(time.Second))
+		}
 	}
 	if len(r.InboxPoison) > 0 {
 		p.f("\nINBOX CONSUMER\tPOISON MESSAGES\tREPLAYS WAITING\tOLDEST WAITS\n")
