@@ -61,8 +61,8 @@ func newParkedSQL(schema string) parkedSQL {
 		// re-drive) keeps all of its parked replies for later, so a saga's replies are never
 		// split between two re-drives. Never waits, so it cannot deadlock. Per version in
 		// arrival order, on saga_parked_version_idx (a saga's replies all have its version, so
-		// its order is kept): an orchestrator that lacks the parked versions reads an index
-		// page or two, however many are parked. $3 are sagas left out (their parked reply
+		// its order is kept): an orchestrator that lacks the parked versions reads a few
+		// index pages, however many are parked (TestVersionClaimsStayOnTheirIndexes). $3 are sagas left out (their parked reply
 		// failed in this round).
 		claim: `SELECT p.saga_id, p.dedup_key, p.message_uuid, p.metadata, p.payload
 			FROM unnest($1::text[], $2::int[]) AS r (name, version)
