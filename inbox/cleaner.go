@@ -53,6 +53,9 @@ type CleanerConfig struct {
 
 // Cleaner deletes dedup rows older than the retention window, in bounded batches that skip
 // rows locked by in-flight inbox transactions, so it never blocks (or waits on) a consumer.
+// A saga participant's barrier rows are kept, however old, while their saga (in the saga
+// table of the same schema) is running, compensating or stuck: see docs/sagas.md, "The
+// barrier".
 type Cleaner struct {
 	cfg  CleanerConfig
 	sql  string
@@ -91,10 +94,16 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 		args = append(args, cfg.Consumer)
 		limit = "$4"
 	}
+	// A saga participant's barrier row (saga_id set, migration 0015) stays while its saga is
+	// not finished, however old: a late retry of the saga's step must find it, or the action
+	// would run again (or a compensation be taken for a null one). One primary-key probe per
+	// barrier row; other rows skip it.
+	where += ` AND (p.saga_id IS NULL OR NOT EXISTS (SELECT 1 FROM ` + pgsql.Table(cfg.Schema, "saga") +
+		` s WHERE s.id = p.saga_id AND s.finished_at IS NULL))`
 	return &Cleaner{
 		cfg: cfg,
 		sql: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table +
-			` WHERE ` + where + ` ORDER BY processed_at LIMIT ` + limit + ` FOR UPDATE SKIP LOCKED)) RETURNING processed_at`,
+			` p WHERE ` + where + ` ORDER BY processed_at LIMIT ` + limit + ` FOR UPDATE OF p SKIP LOCKED)) RETURNING processed_at`,
 		args: args,
 	}, nil
 }

@@ -315,8 +315,11 @@ var ErrWrongState = errors.New("saga: the request does not apply to the saga's s
 // that compensation re-sent; a saga stuck moving forward (a reply that could not be applied,
 // a timer that failed) gets its current step's command re-sent as a new attempt — a
 // participant answers a later attempt of an action that already took effect with the result
-// it kept, without running it again. Get's Wait.Phase says which. Fix the cause first (the
-// error is in Get's Error and the step's LastError).
+// it kept, without running it again, however long the saga was stuck (the participants'
+// barrier rows are kept while it lives). A saga stuck moving forward whose saga-wide deadline
+// (WithDeadline) passed meanwhile compensates instead, as the deadline would have made it.
+// Get's Wait.Phase says which. Fix the cause first (the error is in Get's Error and the
+// step's LastError).
 func (a *Admin) RetryTx(ctx context.Context, tx pgx.Tx, id string) error {
 	return a.request(ctx, tx, id, actRetry, func(in *instance) error {
 		if in.State != StateStuck {

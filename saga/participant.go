@@ -394,6 +394,9 @@ type barrierClaim struct {
 type barrierKeys struct {
 	commands, claim, seen, read []string
 	claiming, reading           map[string]bool
+	// sagas[i] is the saga of claim[i], kept with its barrier row (retention keeps the rows
+	// of sagas that are alive).
+	sagas []string
 }
 
 // plan lists the barrier keys of the commands whose outcome is not decided. Claims lock in key
@@ -412,8 +415,14 @@ func plan(cmds []*command) barrierKeys {
 		if c.outcome != nil {
 			continue
 		}
+		claim := func(key string) {
+			if !k.claiming[key] {
+				k.sagas = append(k.sagas, c.ref.ID)
+			}
+			add(&k.claim, k.claiming, key)
+		}
 		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
-		add(&k.claim, k.claiming, actionKey)
+		claim(actionKey)
 		if c.ref.Phase == outbox.SagaPhaseCompensation || c.ref.Attempt > 1 {
 			// A compensation reads what its action kept, a later attempt what an earlier one
 			// kept. A first attempt finds its action key taken only by a compensation (it is
@@ -421,7 +430,7 @@ func plan(cmds []*command) barrierKeys {
 			add(&k.read, k.reading, actionKey)
 		}
 		if c.ref.Phase == outbox.SagaPhaseCompensation {
-			add(&k.claim, k.claiming, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
+			claim(barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
 		}
 	}
 	for _, c := range cmds {
@@ -459,7 +468,7 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (*b
 		return nil, err
 	}
 	if len(k.claim) > 0 {
-		if err := p.run.QueueClaim(b, k.claim, &got); err != nil {
+		if err := p.run.QueueClaimSaga(b, k.claim, k.sagas, &got); err != nil {
 			return nil, err
 		}
 		if len(k.seen) > 0 {

@@ -441,6 +441,13 @@ func (m *machine) onOperator(action string) error {
 		// participant answers a later attempt of an action that took effect with the result
 		// it kept, so the saga moves on without running the action twice.
 		phase := in.stuckPhase()
+		if phase == outbox.SagaPhaseAction && m.pastDeadline() {
+			// The deadline fell due while the saga was stuck, and its timer, finding the saga
+			// stuck, was dropped: the saga compensates now, as the deadline would have made it
+			// (its current step too, whose command may have acted).
+			in.State, in.Error = StateRunning, ""
+			return m.interrupt("saga deadline exceeded while it was stuck (retried after it)")
+		}
 		in.State = StateRunning
 		if phase == outbox.SagaPhaseCompensation {
 			in.State = StateCompensating
@@ -460,6 +467,14 @@ func (m *machine) onOperator(action string) error {
 		return m.interrupt("compensation requested by an operator")
 	}
 	return fmt.Errorf("saga: operator request %q unknown", action)
+}
+
+// pastDeadline reports whether the saga-wide deadline (WithDeadline, counted from the saga's
+// start on the database clock) has passed while the saga is before its pivot, where it still
+// applies.
+func (m *machine) pastDeadline() bool {
+	d := m.def.deadline()
+	return d > 0 && m.in.Step < m.def.pivotIndex() && !m.now.Before(m.in.CreatedAt.Add(d))
 }
 
 // interrupt fails the current step of a running saga from outside (its deadline, an

@@ -297,7 +297,8 @@ func retryWhat(w *saga.Wait) string {
 	if w.Phase == outbox.SagaPhaseCompensation {
 		return fmt.Sprintf("re-sends the compensation of step %s as attempt %d: the saga goes on compensating", w.Step, w.Attempt+1)
 	}
-	return fmt.Sprintf("re-sends the action of step %s as attempt %d: the saga goes on forward; an action that already took effect is answered with its kept result, not run again", w.Step, w.Attempt+1)
+	return fmt.Sprintf("re-sends the action of step %s as attempt %d: the saga goes on forward; an action that already took effect is answered with its kept result, not run again; "+
+		"a saga whose deadline passed while it was stuck compensates instead", w.Step, w.Attempt+1)
 }
 
 func (c *cli) sagaRequest(ctx context.Context, action string, args []string) error {
