@@ -258,6 +258,26 @@ func parseCursor(s string) (cursor, error) {
 	return cursor{at: time.UnixMicro(n).UTC(), id: id}, nil
 }
 
+// Alive returns those of ids whose sagas are alive: running, compensating or stuck (a saga
+// removed by the retention cleanup, or never started here, is not). It is what a saga
+// participant's inbox.Cleaner asks (inbox.CleanerConfig.Sagas) when the orchestrator keeps
+// its sagas in another database, so that the participant keeps their barrier rows:
+//
+//	Sagas: func(ctx context.Context, ids []string) ([]string, error) {
+//		return admin.Alive(ctx, orchestratorPool, ids)
+//	},
+func (a *Admin) Alive(ctx context.Context, db DB, ids []string) ([]string, error) {
+	rows, err := db.Query(ctx, `SELECT id FROM `+pgsql.Table(a.st.schema, "saga")+` WHERE id = ANY($1::text[]) AND finished_at IS NULL`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("saga: which of %d sagas are alive: %w", len(ids), a.st.explain(err))
+	}
+	alive, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("saga: which of %d sagas are alive: %w", len(ids), a.st.explain(err))
+	}
+	return alive, nil
+}
+
 // ErrNotFound is returned for a saga id without a row (never started, or removed by the
 // retention cleanup after it finished).
 var ErrNotFound = errors.New("saga: no saga with this id")

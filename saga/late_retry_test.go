@@ -29,12 +29,19 @@ func TestLateRetryAfterRetention(t *testing.T) {
 	ctx := context.Background()
 	// ageAndClean makes every dedup row four days old and runs the inbox cleaner with the
 	// default window (72 h); it returns how many rows it removed.
-	ageAndClean := func(t *testing.T, w *world) int64 {
+	// With viaSagas, the cleaner asks Admin.Alive which sagas live (CleanerConfig.Sagas, as a
+	// participant whose orchestrator has another database does) instead of reading the saga
+	// table of its schema.
+	ageAndClean := func(t *testing.T, w *world, viaSagas bool) int64 {
 		t.Helper()
 		if _, err := w.db.Pool.Exec(ctx, `UPDATE `+w.db.Schema+`.processed_event SET processed_at = now() - interval '4 days'`); err != nil {
 			t.Fatal(err)
 		}
-		c, err := inbox.NewCleaner(inbox.CleanerConfig{Pool: w.db.Pool, Schema: w.db.Schema})
+		cfg := inbox.CleanerConfig{Pool: w.db.Pool, Schema: w.db.Schema, BatchSize: 2}
+		if viaSagas {
+			cfg.Sagas = func(ctx context.Context, ids []string) ([]string, error) { return w.admin().Alive(ctx, w.db.Pool, ids) }
+		}
+		c, err := inbox.NewCleaner(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -60,8 +67,7 @@ func TestLateRetryAfterRetention(t *testing.T) {
 		}
 	}
 
-	t.Run("stuck at the pivot", func(t *testing.T) {
-		t.Parallel()
+	stuckAtThePivot := func(t *testing.T, viaSagas bool) {
 		var hookFails atomic.Bool
 		hookFails.Store(true)
 		hook := saga.OnCompleted(func(context.Context, pgx.Tx, *Checkout) error {
@@ -82,7 +88,7 @@ func TestLateRetryAfterRetention(t *testing.T) {
 		if d := w.runUntil(id, saga.StateStuck, saga.StateCompleted, saga.StateCompensated); d.State != saga.StateStuck {
 			t.Fatalf("saga %s (%q), want stuck by the hook", d.State, d.Error)
 		}
-		ageAndClean(t, w)
+		ageAndClean(t, w, viaSagas)
 		hookFails.Store(false)
 		retry(t, w, id)
 		d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated, saga.StateStuck)
@@ -94,9 +100,19 @@ func TestLateRetryAfterRetention(t *testing.T) {
 				d.State, d.Error, calls, got)
 		}
 		// Finished, the saga's barrier rows age out like any other.
-		ageAndClean(t, w)
+		ageAndClean(t, w, viaSagas)
 		if n := w.count(`SELECT count(*) FROM ` + w.db.Schema + `.processed_event`); n != 0 {
 			t.Fatalf("%d dedup rows of a finished saga left past the window", n)
+		}
+	}
+
+	t.Run("stuck at the pivot", func(t *testing.T) {
+		t.Parallel()
+		for _, viaSagas := range []bool{false, true} {
+			t.Run(map[bool]string{false: "same database", true: "CleanerConfig.Sagas"}[viaSagas], func(t *testing.T) {
+				t.Parallel()
+				stuckAtThePivot(t, viaSagas)
+			})
 		}
 	})
 
@@ -113,7 +129,7 @@ func TestLateRetryAfterRetention(t *testing.T) {
 			if d.State != saga.StateStuck || d.Step != "charge" || !strings.Contains(d.Error, "refund service down") {
 				t.Fatalf("saga %s at %s (%q), want stuck compensating charge", d.State, d.Step, d.Error)
 			}
-			ageAndClean(t, w)
+			ageAndClean(t, w, batched)
 			w.mu.Lock()
 			w.compFail["charge"] = 0
 			w.mu.Unlock()
