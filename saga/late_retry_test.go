@@ -186,3 +186,80 @@ func TestRetryPastTheDeadlineCompensates(t *testing.T) {
 		t.Fatalf("retried past its deadline: saga %s (%q), effects %v; want compensated for the deadline with %v", d.State, d.Error, got, want)
 	}
 }
+
+// A barrier row lost while its saga lives (deleted by hand here; or by a cleaner of another
+// database without CleanerConfig.Sagas) cannot make an effect happen twice or stay in place:
+// the orchestrator knows the action took effect (its participant answered done) and says so
+// in the step's later commands. Stuck at the pivot, the retry's action is refused and the
+// saga stops stuck with the reason — the charge ran once. Stuck compensating, the
+// compensation's handler runs instead of a null compensation.
+func TestLostBarrierRowIsNeverTakenForAnActionThatNeverRan(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	loseBarrier := func(t *testing.T, w *world) {
+		t.Helper()
+		tag, err := w.db.Pool.Exec(ctx, `DELETE FROM `+w.db.Schema+`.processed_event WHERE saga_id IS NOT NULL`)
+		if err != nil || tag.RowsAffected() == 0 {
+			t.Fatalf("delete the barrier rows: %v, %d rows", err, tag.RowsAffected())
+		}
+	}
+	retry := func(t *testing.T, w *world, id string) {
+		t.Helper()
+		if err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(ctx, tx, id) }); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := w.orch.FireDue(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Run("stuck at the pivot", func(t *testing.T) {
+		t.Parallel()
+		hook := saga.OnCompleted(func(context.Context, pgx.Tx, *Checkout) error { return errors.New("orders table locked") })
+		def, err := saga.Define("checkout", 1, []*saga.StepDef[Checkout]{
+			saga.Step[Checkout]("reserve").Send("cmd.reserve", cmdOf).Compensate("undo.reserve", cmdOf),
+			saga.Step[Checkout]("charge").Send("cmd.charge", cmdOf).Pivot(),
+		}, hook)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w := newWorld(t, def)
+		id := w.start("o-1")
+		if d := w.runUntil(id, saga.StateStuck, saga.StateCompleted, saga.StateCompensated); d.State != saga.StateStuck || !d.Steps[1].TookEffect {
+			t.Fatalf("saga %s (%q), charge %+v; want stuck by the hook, the charge recorded as took effect", d.State, d.Error, d.Steps[1])
+		}
+		loseBarrier(t, w)
+		retry(t, w, id)
+		w.runUntil(id, saga.StateRunning, saga.StateCompleted) // the retry was applied
+		d := w.runUntil(id, saga.StateStuck, saga.StateCompleted, saga.StateCompensated)
+		w.mu.Lock()
+		calls := w.calls["charge/action"]
+		w.mu.Unlock()
+		if d.State != saga.StateStuck || !strings.Contains(d.Error, "refused") || !strings.Contains(d.Error, "no record") || calls != 1 {
+			t.Fatalf("retried without its barrier row: saga %s (%q), charge handler ran %d times; want stuck with the refusal, charged once",
+				d.State, d.Error, calls)
+		}
+		if got := w.effects(id); !slices.Equal(got, []string{"reserve/action", "charge/action"}) {
+			t.Fatalf("effects %v", got)
+		}
+	})
+	t.Run("stuck compensating", func(t *testing.T) {
+		t.Parallel()
+		w := newWorld(t, checkoutDef(t, nil, saga.WithCompensationAttempts(2, 10*time.Millisecond)))
+		w.fail["confirm"] = "declined"
+		w.compFail["charge"] = -1
+		id := w.start("o-1")
+		if d := w.runUntil(id, saga.StateStuck, saga.StateCompleted, saga.StateCompensated); d.State != saga.StateStuck || d.Step != "charge" {
+			t.Fatalf("saga %s at %s (%q), want stuck compensating charge", d.State, d.Step, d.Error)
+		}
+		loseBarrier(t, w)
+		w.mu.Lock()
+		w.compFail["charge"] = 0
+		w.mu.Unlock()
+		retry(t, w, id)
+		d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated, saga.StateStuck)
+		want := []string{"reserve/action", "charge/action", "charge/compensation", "reserve/compensation"}
+		if got := w.effects(id); d.State != saga.StateCompensated || !slices.Equal(got, want) {
+			t.Fatalf("retried without its barrier rows: saga %s (%q), effects %v; want compensated with %v", d.State, d.Error, got, want)
+		}
+	})
+}

@@ -90,6 +90,11 @@ type StepHistory struct {
 	// saga only goes forward, and an Admin that does not know the definition can still refuse
 	// a compensation past it.
 	Pivot bool `json:"pivot,omitempty"`
+	// TookEffect is set once a participant answered the action done, even when that reply
+	// could not be applied (the saga went stuck): the step's later commands say so
+	// (outbox.MetadataSagaTookEffect), so a participant whose barrier record of the action is
+	// missing neither runs it again nor takes a compensation for a null one.
+	TookEffect bool `json:"took_effect,omitempty"`
 	// Uncertain is set when an attempt timed out (or a deadline or operator interrupted it):
 	// its effect is unknown, so the step is compensated too (a no-op if it never ran).
 	Uncertain bool `json:"uncertain,omitempty"`
@@ -347,6 +352,10 @@ func (m *machine) onReply(r replyEvent) error {
 // outcome applies the outcome of an attempt of step idx's phase: a reply's or a local run's.
 func (m *machine) outcome(idx int, phase outbox.SagaPhase, outcome, reason string, payload []byte, attempt int) error {
 	rec := &m.in.Steps[idx]
+	if outcome == outbox.SagaOutcomeRefused {
+		rec.LastError = "refused: " + reason
+		return m.stuck(fmt.Sprintf("step %q: the participant refused the %s: %s", rec.Name, phase, reason))
+	}
 	if phase == outbox.SagaPhaseAction {
 		switch outcome {
 		case outbox.SagaOutcomeDone:
@@ -494,6 +503,7 @@ func (m *machine) actionDone(idx int, r Reply) error {
 	in := m.in
 	rec := &in.Steps[idx]
 	rec.Status = stepDone
+	rec.TookEffect = true
 	rec.LastError = ""
 	rec.FinishedAt = m.stamp()
 	m.fx.cancelStep = true
@@ -653,6 +663,9 @@ func (m *machine) send(idx int, phase outbox.SagaPhase, attempt int) error {
 	outbox.SetSaga(msg, outbox.SagaRef{ID: in.ID, Step: st.name, Phase: phase, Attempt: attempt})
 	msg.Metadata.Set(outbox.MetadataSagaName, in.Name)
 	msg.Metadata.Set(outbox.MetadataSagaReplyTo, m.def.replyTopic())
+	if rec.TookEffect {
+		msg.Metadata.Set(outbox.MetadataSagaTookEffect, "true")
+	}
 	outbox.ToTopic(msg, topic)
 	m.fx.commands = append(m.fx.commands, msg)
 	if phase == outbox.SagaPhaseAction {
