@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/relay"
 )
 
@@ -179,7 +180,8 @@ func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*St
 
 	capped := th.MaxRetention + 1
 	for _, tbl := range []struct{ table, rule, where string }{
-		{"processed_event", "processed_at older than the window", "processed_at < now() - make_interval(secs => $2)"},
+		{"processed_event", "processed_at older than the window (not a live saga's barrier row)",
+			"processed_at < now() - make_interval(secs => $2) AND " + cleaning.NotLiveBarrier(schema)},
 		{"idempotency_record", "expires_at passed", "expires_at < now()"},
 		{"saga", "finished longer than the Window ago", "finished_at < now() - make_interval(secs => $2)"},
 	} {
