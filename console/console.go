@@ -147,6 +147,7 @@ func (c *Console) routes() {
 	m.HandleFunc("GET /sagas/{id}", c.sagaPage)
 	m.HandleFunc("GET /sagas/{id}/{action}", c.sagaConfirm)
 	m.HandleFunc("POST /sagas/{id}/{action}", c.sagaAction)
+	m.HandleFunc("GET /versions", c.versions)
 	m.HandleFunc("GET /bulk/sagas/{action}", c.bulkConfirm)
 	m.HandleFunc("POST /bulk/sagas/{action}", c.bulkAction)
 	m.HandleFunc("GET /outbox", c.outboxPage)

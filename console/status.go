@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/pgsql"
+	cleaning "github.com/onceflow/onceflow/internal/retention"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
 )
@@ -199,7 +200,8 @@ func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*St
 
 	capped := th.MaxRetention + 1
 	for _, tbl := range []struct{ table, rule, where string }{
-		{"processed_event", "processed_at older than the window", "processed_at < now() - make_interval(secs => $2)"},
+		{"processed_event", "processed_at older than the window (not a live saga's barrier row)",
+			"processed_at < now() - make_interval(secs => $2) AND " + cleaning.NotLiveBarrier(schema)},
 		{"idempotency_record", "expires_at passed", "expires_at < now()"},
 		{"saga", "finished longer than the Window ago", "finished_at < now() - make_interval(secs => $2)"},
 	} {
@@ -357,8 +359,8 @@ func (r *Status) check() {
 	for _, a := range r.AwaitingVersion {
 		if wait := time.Duration(a.OldestAgeSeconds * float64(time.Second)); th.MaxVersionWait > 0 && wait > th.MaxVersionWait {
 			add("%d replies of %d %s sagas of version %d are parked, the oldest for %s (over %s): no running orchestrator has %s version %d registered. "+
-				"Deploy (or keep running) an orchestrator that registers it (saga.Register) until `onceflow saga list --name %s --version %d` shows none of its sagas unfinished; "+
-				"it applies the parked replies in order", a.Replies, a.Sagas, a.Name, a.Version, wait.Round(time.Second), th.MaxVersionWait, a.Name, a.Version, a.Name, a.Version)
+				"Deploy (or keep running) an orchestrator that registers it (saga.Register) until `onceflow saga versions` shows none of its sagas unfinished; "+
+				"it applies the parked replies in order", a.Replies, a.Sagas, a.Name, a.Version, wait.Round(time.Second), th.MaxVersionWait, a.Name, a.Version)
 		}
 	}
 	var poison int64

@@ -235,3 +235,71 @@ func ExampleCleaner() {
 	}
 	go cleaner.Run(ctx) // until ctx ends; or cleaner.Clean(ctx) for one pass, e.g. from a cron job
 }
+
+// Barrier rows (saga_id set) outlive the window while their saga lives. With
+// CleanerConfig.Sagas the cleaner asks which sagas live, a batch at a time: rows of live
+// sagas stay however many share one timestamp (the batches still move on), rows of other
+// sagas and ordinary rows go, and a failing Sagas deletes no barrier row of its batch.
+func TestCleanerKeepsBarrierRowsOfLiveSagas(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	insertDedupRows(t, db, "svc-charge", 5, 100*time.Hour)
+	// 7 sagas with two barrier rows each, all written at the same instant, 100 hours ago.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("processed_event")+` (consumer, dedup_key, saga_id, processed_at)
+		SELECT 'svc-charge', 'saga-barrier:' || s || ':' || ph, 's' || s, now() - interval '100 hours'
+		FROM generate_series(1, 7) s, unnest(ARRAY['action', 'compensation']) ph`); err != nil {
+		t.Fatal(err)
+	}
+	live := map[string]bool{"s2": true, "s5": true, "s7": true}
+	var asked []int
+	var failing bool
+	c, err := inbox.NewCleaner(inbox.CleanerConfig{Pool: db.Pool, Schema: db.Schema, BatchSize: 3,
+		Sagas: func(_ context.Context, ids []string) ([]string, error) {
+			if failing {
+				return nil, errors.New("orchestrator database unreachable")
+			}
+			asked = append(asked, len(ids))
+			var alive []string
+			for _, id := range ids {
+				if live[id] {
+					alive = append(alive, id)
+				}
+			}
+			return alive, nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	left := func() []string {
+		rows, err := db.Pool.Query(ctx, `SELECT coalesce(saga_id, '-') FROM `+db.Table("processed_event")+` ORDER BY 1`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ids
+	}
+	failing = true
+	if _, err := c.Clean(ctx); err == nil || !strings.Contains(err.Error(), "orchestrator database unreachable") {
+		t.Fatalf("Clean with a failing Sagas: %v, want its error", err)
+	}
+	if got := left(); len(got) != 14 {
+		t.Fatalf("after a failing Sagas: rows left %v, want the 14 barrier rows (the ordinary rows go first)", got)
+	}
+	failing = false
+	n, err := c.Clean(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := strings.Join(left(), " "), "s2 s2 s5 s5 s7 s7"; n != 8 || got != want {
+		t.Fatalf("deleted %d, rows left %q; want 8 deleted and %q", n, got, want)
+	}
+	for _, k := range asked {
+		if k > 3 {
+			t.Fatalf("Sagas asked about %d ids at once, more than BatchSize: %v", k, asked)
+		}
+	}
+}

@@ -44,12 +44,18 @@ const (
 	//
 	//   saga_name      the saga definition's name (commands and replies)
 	//   saga_reply_to  the topic a participant sends its reply to (commands)
-	//   saga_outcome   SagaOutcomeDone, SagaOutcomeFailed or SagaOutcomeRetry (replies)
+	//   saga_outcome   SagaOutcomeDone, SagaOutcomeFailed, SagaOutcomeRetry or
+	//                  SagaOutcomeRefused (replies)
 	//   saga_reason    why a step failed or asks to be retried, for operators (replies)
-	MetadataSagaName    = "saga_name"
-	MetadataSagaReplyTo = "saga_reply_to"
-	MetadataSagaOutcome = "saga_outcome"
-	MetadataSagaReason  = "saga_reason"
+	//   saga_took_effect  "true" on a command of a step whose action the orchestrator knows
+	//                  took effect (a participant answered it done): a participant that finds
+	//                  no barrier record of that action must not decide that it never ran
+	//                  (commands)
+	MetadataSagaName       = "saga_name"
+	MetadataSagaReplyTo    = "saga_reply_to"
+	MetadataSagaOutcome    = "saga_outcome"
+	MetadataSagaReason     = "saga_reason"
+	MetadataSagaTookEffect = "saga_took_effect"
 )
 
 // The values of MetadataSagaOutcome.
@@ -62,6 +68,11 @@ const (
 	// SagaOutcomeRetry: a transient failure; nothing took effect and the orchestrator re-sends
 	// the command (a new attempt) after a backoff, within the step's attempt budget.
 	SagaOutcomeRetry = "retry"
+	// SagaOutcomeRefused: the participant cannot decide the command safely (the barrier
+	// record of an action the orchestrator knows took effect is missing, so running the
+	// action again could apply it twice); nothing ran, and the saga stops stuck with the
+	// reason until an operator has checked.
+	SagaOutcomeRefused = "refused"
 )
 
 // SagaPhase is the value of MetadataSagaPhase: whether a saga message belongs to a step's

@@ -292,6 +292,26 @@ func parseCursor(s string) (cursor, error) {
 	return cursor{at: time.UnixMicro(n).UTC(), id: id}, nil
 }
 
+// Alive returns those of ids whose sagas are alive: running, compensating or stuck (a saga
+// removed by the retention cleanup, or never started here, is not). It is what a saga
+// participant's inbox.Cleaner asks (inbox.CleanerConfig.Sagas) when the orchestrator keeps
+// its sagas in another database, so that the participant keeps their barrier rows:
+//
+//	Sagas: func(ctx context.Context, ids []string) ([]string, error) {
+//		return admin.Alive(ctx, orchestratorPool, ids)
+//	},
+func (a *Admin) Alive(ctx context.Context, db DB, ids []string) ([]string, error) {
+	rows, err := db.Query(ctx, `SELECT id FROM `+pgsql.Table(a.st.schema, "saga")+` WHERE id = ANY($1::text[]) AND finished_at IS NULL`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("saga: which of %d sagas are alive: %w", len(ids), a.st.explain(err))
+	}
+	alive, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("saga: which of %d sagas are alive: %w", len(ids), a.st.explain(err))
+	}
+	return alive, nil
+}
+
 // ErrNotFound is returned for a saga id without a row (never started, or removed by the
 // retention cleanup after it finished).
 var ErrNotFound = errors.New("saga: no saga with this id")
@@ -356,8 +376,11 @@ var ErrWrongState = errors.New("saga: the request does not apply to the saga's s
 // that compensation re-sent; a saga stuck moving forward (a reply that could not be applied,
 // a timer that failed) gets its current step's command re-sent as a new attempt — a
 // participant answers a later attempt of an action that already took effect with the result
-// it kept, without running it again. Get's Wait.Phase says which. Fix the cause first (the
-// error is in Get's Error and the step's LastError).
+// it kept, without running it again, however long the saga was stuck (the participants'
+// barrier rows are kept while it lives). A saga stuck moving forward whose saga-wide deadline
+// (WithDeadline) passed meanwhile compensates instead, as the deadline would have made it.
+// Get's Wait.Phase says which. Fix the cause first (the error is in Get's Error and the
+// step's LastError).
 func (a *Admin) RetryTx(ctx context.Context, tx pgx.Tx, id string) error {
 	return a.request(ctx, tx, id, actRetry, func(in *instance) error {
 		if in.State != StateStuck {

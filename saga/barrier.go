@@ -19,6 +19,11 @@ type barrierCmd struct {
 	// handler returned Fail or Retry, whose writes were rolled back): it is answered with
 	// that outcome and takes no barrier key.
 	Decided bool
+	// TookEffect is set when the orchestrator knows the step's action took effect
+	// (outbox.MetadataSagaTookEffect): a missing action record then means the record was
+	// lost (deleted by hand, or by a cleaner that could not see the saga), not that the
+	// action never ran.
+	TookEffect bool
 }
 
 // stepID names one step of one saga.
@@ -47,6 +52,10 @@ const (
 	verdictNullCompensation
 	// verdictHanging: the action arrived after its compensation; skip it, no reply.
 	verdictHanging
+	// verdictRefused: an action the orchestrator knows took effect has no record here: it is
+	// not run again (that could apply it twice); the answer is SagaOutcomeRefused, and the
+	// saga stops stuck for an operator.
+	verdictRefused
 )
 
 // decideBarrier decides for each command, in batch order, given what the records said before
@@ -72,8 +81,13 @@ func decideBarrier(cmds []barrierCmd, before map[stepID]barrierState) []barrierV
 			out[i] = verdictHanging
 		case c.Phase == outbox.SagaPhaseAction && s.ActionTaken:
 			out[i] = verdictTookEffect
+		case c.Phase == outbox.SagaPhaseAction && c.TookEffect:
+			out[i] = verdictRefused
 		case c.Phase == outbox.SagaPhaseAction:
 			out[i], s.ActionTaken = verdictRun, true
+		case !s.ActionTaken && c.TookEffect:
+			// The action's record is lost, but it took effect: undo it.
+			out[i], s.ActionTaken, s.CompTaken = verdictRun, true, true
 		case !s.ActionTaken:
 			out[i], s.ActionTaken, s.CompTaken = verdictNullCompensation, true, true
 		case s.CompTaken:

@@ -17,6 +17,7 @@ func TestDecideBarrier(t *testing.T) {
 	a := func(saga string) barrierCmd { return barrierCmd{Saga: saga, Step: "reserve", Phase: act} }
 	c := func(saga string) barrierCmd { return barrierCmd{Saga: saga, Step: "reserve", Phase: comp} }
 	decided := func(b barrierCmd) barrierCmd { b.Decided = true; return b }
+	tookEffect := func(b barrierCmd) barrierCmd { b.TookEffect = true; return b }
 	s1 := stepID{"s1", "reserve"}
 	none := map[stepID]barrierState{}
 	actionTook := map[stepID]barrierState{s1: {ActionTaken: true}}
@@ -53,6 +54,14 @@ func TestDecideBarrier(t *testing.T) {
 		{"other sagas are independent",
 			[]barrierCmd{a("s1"), a("s2"), a("s1"), c("s3")}, actionTook,
 			[]barrierVerdict{verdictTookEffect, verdictRun, verdictTookEffect, verdictNullCompensation}},
+		{"an action the orchestrator knows took effect, without its record here, is refused",
+			[]barrierCmd{tookEffect(a("s1"))}, none, []barrierVerdict{verdictRefused}},
+		{"an action the orchestrator knows took effect, with its record, is answered",
+			[]barrierCmd{tookEffect(a("s1"))}, actionTook, []barrierVerdict{verdictTookEffect}},
+		{"a compensation of an action known to have taken effect runs, even without its record",
+			[]barrierCmd{tookEffect(c("s1"))}, none, []barrierVerdict{verdictRun}},
+		{"its second attempt in the batch is answered done",
+			[]barrierCmd{tookEffect(c("s1")), tookEffect(c("s1"))}, none, []barrierVerdict{verdictRun, verdictCompensated}},
 		{"steps of one saga are independent",
 			[]barrierCmd{a("s1"), {Saga: "s1", Step: "charge", Phase: act}}, actionTook,
 			[]barrierVerdict{verdictTookEffect, verdictRun}},

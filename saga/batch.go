@@ -317,6 +317,13 @@ func (o *Orchestrator) SettlePoison(ctx context.Context, msg *message.Message, g
 		if settled, err = o.run.GiveUpTx(ctx, tx, msg, key, g); err != nil || !settled || !isSaga {
 			return err
 		}
+		if ref.Phase == outbox.SagaPhaseAction && msg.Metadata.Get(outbox.MetadataSagaOutcome) == outbox.SagaOutcomeDone {
+			// The participant says the action took effect: a retry's command will say so, so
+			// that the action never runs again, whatever the participant's records hold then.
+			if _, err := tx.Exec(ctx, o.st.tookEffect, ref.ID, ref.Step); err != nil {
+				return err
+			}
+		}
 		reason := fmt.Sprintf("the %s reply of step %q (attempt %d) could not be applied after %d tries: %v", ref.Phase, ref.Step, ref.Attempt, g.Attempts, g.Err)
 		err = tx.QueryRow(ctx, o.st.stuck, ref.ID, reason).Scan(&name)
 		if errors.Is(err, pgx.ErrNoRows) {

@@ -253,7 +253,8 @@ type Definition[D any] struct {
 // The name and version identify the definition: every saga runs to its end on the definition
 // it started with. To change a saga, Define it again with the next version, register both
 // versions with the orchestrator, start new sagas on the new one, and remove the old one once
-// `onceflow saga list --name N` shows none of its sagas running (see docs/sagas.md).
+// `onceflow saga versions` shows none of its sagas running, compensating or stuck
+// (Admin.CheckVersions checks a build; see docs/sagas.md).
 func Define[D any](name string, version int, steps []*StepDef[D], opts ...Option) (*Definition[D], error) {
 	d := &Definition[D]{name: name, version: version, steps: steps, pivot: len(steps)}
 	d.opts = options{compensationAttempts: DefaultCompensationAttempts, compensationBackoff: DefaultBackoff}

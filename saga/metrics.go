@@ -49,6 +49,9 @@ const (
 	BarrierDuplicate        BarrierOutcome = "duplicate"
 	BarrierNullCompensation BarrierOutcome = "null_compensation"
 	BarrierHangingAction    BarrierOutcome = "hanging_action"
+	// BarrierRefused: an action the orchestrator knows took effect had no record here, so it
+	// was not run again (the saga stops stuck for an operator).
+	BarrierRefused BarrierOutcome = "refused"
 )
 
 // NopMetrics discards every measurement. Embed it in your own Metrics implementation.

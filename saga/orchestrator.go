@@ -315,7 +315,13 @@ const runBackoffCap = 10 * time.Second
 // failing, so a broken database is not hammered (nor its log filled), and one line says
 // when rounds work again. Call CheckSchema at start-up to refuse an unmigrated schema at
 // once instead.
+//
+// While it runs, Run records the orchestrator and its registered definition versions in
+// saga_orchestrator (refreshed every OrchestratorHeartbeat, deleted when Run returns), which
+// Admin.Versions and `onceflow saga versions` read; a failure to record it is logged and
+// never holds up the timers.
 func (o *Orchestrator) Run(ctx context.Context) error {
+	defer o.heartbeat(ctx)() // its saga_orchestrator row (registry.go), deleted on return
 	t := time.NewTimer(o.cfg.TimerInterval)
 	defer t.Stop()
 	var (

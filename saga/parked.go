@@ -1,7 +1,6 @@
 package saga
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -90,18 +89,12 @@ type versions struct {
 	versions []int32
 }
 
-// registered returns the names and versions of the registered definitions.
+// registered returns the registered definitions (Registered) as the claims' arrays.
 func (o *Orchestrator) registered() versions {
-	o.mu.RLock()
-	defer o.mu.RUnlock()
-	keys := make([]defKey, 0, len(o.defs))
-	for k := range o.defs {
-		keys = append(keys, k)
-	}
-	slices.SortFunc(keys, func(a, b defKey) int { return cmp.Or(cmp.Compare(a.name, b.name), cmp.Compare(a.version, b.version)) })
-	v := versions{names: make([]string, len(keys)), versions: make([]int32, len(keys))}
-	for i, k := range keys {
-		v.names[i], v.versions[i] = k.name, int32(k.version)
+	reg := o.Registered()
+	v := versions{names: make([]string, len(reg)), versions: make([]int32, len(reg))}
+	for i, d := range reg {
+		v.names[i], v.versions[i] = d.Name, int32(d.Version)
 	}
 	return v
 }
@@ -150,7 +143,7 @@ func (o *Orchestrator) noteParked(p parkedReply) {
 	o.cfg.Metrics.AwaitingVersion(p.in.Name, p.in.Version)
 	o.cfg.Logger.Warn(fmt.Sprintf("saga: reply parked: definition %q version %d is not registered with this orchestrator; "+
 		"an orchestrator that has it applies the parked reply, in order — deploy one (or keep one running) with saga.Register of version %d "+
-		"until `onceflow saga list --name %s --version %d` shows none of its sagas unfinished", p.in.Name, p.in.Version, p.in.Version, p.in.Name, p.in.Version), args...)
+		"until `onceflow saga versions` shows none of its sagas unfinished", p.in.Name, p.in.Version, p.in.Version), args...)
 }
 
 // redrive is a transaction of parked replies (replyBatch.redrive): claimed from saga_parked

@@ -230,7 +230,8 @@ func compensationForRun[C, R any](h func(ctx context.Context, tx pgx.Tx, cmd C, 
 // so the step is compensated as uncertain), OnReply never stored it in the saga's data, and a
 // command built from that data cannot say what to undo — done can. done is nil only when the
 // action's result was not kept: it ran under an onceflow older than migration 0009, or its
-// barrier row expired with the retention window.
+// barrier row was removed while the saga lived (by hand, or by an inbox cleaner that could
+// not see the saga: CleanerConfig.Sagas) — the saga's data then holds what OnReply stored.
 func CompensationFor[C, R any](p *Participant, h func(ctx context.Context, tx pgx.Tx, cmd C, done *R) error) message.NoPublishHandlerFunc {
 	run := compensationForRun(h)
 	return func(msg *message.Message) error { return p.handle(msg, outbox.SagaPhaseCompensation, run) }
@@ -311,6 +312,17 @@ func (u *commandBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 			if r := bc.results[actionKey]; r != nil {
 				payload = r
 			}
+		case verdictRefused:
+			// The action key claimed for it is given back: the record stays missing, and a
+			// later retry is refused the same way until an operator has checked.
+			u.release = append(u.release, actionKey)
+			outcome = outbox.SagaOutcomeRefused
+			reason = fmt.Sprintf("participant %q has no record of step %q's action, which the orchestrator knows took effect "+
+				"(its barrier row was removed: by hand, or by an inbox cleaner that could not see the saga — see CleanerConfig.Sagas); "+
+				"running it again could apply it twice. Check whether it took effect, then compensate or finish the saga by hand",
+				u.p.cfg.Consumer, c.ref.Step)
+			u.p.cfg.Metrics.Barrier(u.p.cfg.Consumer, BarrierRefused)
+			u.p.cfg.Logger.Error("saga participant: command refused: "+reason, "saga_id", c.ref.ID, "attempt", c.ref.Attempt)
 		case verdictCompensated:
 			u.p.skip(c.ref, BarrierDuplicate, "an earlier attempt compensated; answered as done")
 		case verdictNullCompensation:
@@ -394,6 +406,9 @@ type barrierClaim struct {
 type barrierKeys struct {
 	commands, claim, seen, read []string
 	claiming, reading           map[string]bool
+	// sagas[i] is the saga of claim[i], kept with its barrier row (retention keeps the rows
+	// of sagas that are alive).
+	sagas []string
 }
 
 // plan lists the barrier keys of the commands whose outcome is not decided. Claims lock in key
@@ -412,8 +427,14 @@ func plan(cmds []*command) barrierKeys {
 		if c.outcome != nil {
 			continue
 		}
+		claim := func(key string) {
+			if !k.claiming[key] {
+				k.sagas = append(k.sagas, c.ref.ID)
+			}
+			add(&k.claim, k.claiming, key)
+		}
 		actionKey := barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)
-		add(&k.claim, k.claiming, actionKey)
+		claim(actionKey)
 		if c.ref.Phase == outbox.SagaPhaseCompensation || c.ref.Attempt > 1 {
 			// A compensation reads what its action kept, a later attempt what an earlier one
 			// kept. A first attempt finds its action key taken only by a compensation (it is
@@ -421,7 +442,7 @@ func plan(cmds []*command) barrierKeys {
 			add(&k.read, k.reading, actionKey)
 		}
 		if c.ref.Phase == outbox.SagaPhaseCompensation {
-			add(&k.claim, k.claiming, barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
+			claim(barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation))
 		}
 	}
 	for _, c := range cmds {
@@ -459,7 +480,7 @@ func (p *Participant) claim(ctx context.Context, tx pgx.Tx, cmds []*command) (*b
 		return nil, err
 	}
 	if len(k.claim) > 0 {
-		if err := p.run.QueueClaim(b, k.claim, &got); err != nil {
+		if err := p.run.QueueClaimSaga(b, k.claim, k.sagas, &got); err != nil {
 			return nil, err
 		}
 		if len(k.seen) > 0 {
@@ -518,7 +539,8 @@ func decide(fresh []*command, taken map[string]bool) []barrierVerdict {
 			ActionTaken: taken[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseAction)],
 			CompTaken:   taken[barrierKey(c.ref.ID, c.ref.Step, outbox.SagaPhaseCompensation)],
 		}
-		in[i] = barrierCmd{Saga: c.ref.ID, Step: c.ref.Step, Phase: c.ref.Phase, Decided: c.outcome != nil}
+		in[i] = barrierCmd{Saga: c.ref.ID, Step: c.ref.Step, Phase: c.ref.Phase, Decided: c.outcome != nil,
+			TookEffect: c.msg.Metadata.Get(outbox.MetadataSagaTookEffect) == "true"}
 	}
 	return decideBarrier(in, before)
 }

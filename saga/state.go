@@ -90,6 +90,11 @@ type StepHistory struct {
 	// saga only goes forward, and an Admin that does not know the definition can still refuse
 	// a compensation past it.
 	Pivot bool `json:"pivot,omitempty"`
+	// TookEffect is set once a participant answered the action done, even when that reply
+	// could not be applied (the saga went stuck): the step's later commands say so
+	// (outbox.MetadataSagaTookEffect), so a participant whose barrier record of the action is
+	// missing neither runs it again nor takes a compensation for a null one.
+	TookEffect bool `json:"took_effect,omitempty"`
 	// Uncertain is set when an attempt timed out (or a deadline or operator interrupted it):
 	// its effect is unknown, so the step is compensated too (a no-op if it never ran).
 	Uncertain bool `json:"uncertain,omitempty"`
@@ -347,6 +352,10 @@ func (m *machine) onReply(r replyEvent) error {
 // outcome applies the outcome of an attempt of step idx's phase: a reply's or a local run's.
 func (m *machine) outcome(idx int, phase outbox.SagaPhase, outcome, reason string, payload []byte, attempt int) error {
 	rec := &m.in.Steps[idx]
+	if outcome == outbox.SagaOutcomeRefused {
+		rec.LastError = "refused: " + reason
+		return m.stuck(fmt.Sprintf("step %q: the participant refused the %s: %s", rec.Name, phase, reason))
+	}
 	if phase == outbox.SagaPhaseAction {
 		switch outcome {
 		case outbox.SagaOutcomeDone:
@@ -441,6 +450,13 @@ func (m *machine) onOperator(action string) error {
 		// participant answers a later attempt of an action that took effect with the result
 		// it kept, so the saga moves on without running the action twice.
 		phase := in.stuckPhase()
+		if phase == outbox.SagaPhaseAction && m.pastDeadline() {
+			// The deadline fell due while the saga was stuck, and its timer, finding the saga
+			// stuck, was dropped: the saga compensates now, as the deadline would have made it
+			// (its current step too, whose command may have acted).
+			in.State, in.Error = StateRunning, ""
+			return m.interrupt("saga deadline exceeded while it was stuck (retried after it)")
+		}
 		in.State = StateRunning
 		if phase == outbox.SagaPhaseCompensation {
 			in.State = StateCompensating
@@ -462,6 +478,14 @@ func (m *machine) onOperator(action string) error {
 	return fmt.Errorf("saga: operator request %q unknown", action)
 }
 
+// pastDeadline reports whether the saga-wide deadline (WithDeadline, counted from the saga's
+// start on the database clock) has passed while the saga is before its pivot, where it still
+// applies.
+func (m *machine) pastDeadline() bool {
+	d := m.def.deadline()
+	return d > 0 && m.in.Step < m.def.pivotIndex() && !m.now.Before(m.in.CreatedAt.Add(d))
+}
+
 // interrupt fails the current step of a running saga from outside (its deadline, an
 // operator). A remote step's command may still act, so its effect is unknown and it is
 // compensated too; a local step between runs has no effect (its failed runs rolled back).
@@ -479,6 +503,7 @@ func (m *machine) actionDone(idx int, r Reply) error {
 	in := m.in
 	rec := &in.Steps[idx]
 	rec.Status = stepDone
+	rec.TookEffect = true
 	rec.LastError = ""
 	rec.FinishedAt = m.stamp()
 	m.fx.cancelStep = true
@@ -638,6 +663,9 @@ func (m *machine) send(idx int, phase outbox.SagaPhase, attempt int) error {
 	outbox.SetSaga(msg, outbox.SagaRef{ID: in.ID, Step: st.name, Phase: phase, Attempt: attempt})
 	msg.Metadata.Set(outbox.MetadataSagaName, in.Name)
 	msg.Metadata.Set(outbox.MetadataSagaReplyTo, m.def.replyTopic())
+	if rec.TookEffect {
+		msg.Metadata.Set(outbox.MetadataSagaTookEffect, "true")
+	}
 	outbox.ToTopic(msg, topic)
 	m.fx.commands = append(m.fx.commands, msg)
 	if phase == outbox.SagaPhaseAction {

@@ -17,7 +17,7 @@ import (
 type store struct {
 	schema                                    string
 	insert, lock, lockMany, update, setTimer  string
-	delTimer, stuck                           string
+	delTimer, stuck, tookEffect               string
 	delTimers, claimTimers, selectOne, insOpr string
 	park                                      parkedSQL // parked.go
 }
@@ -43,6 +43,10 @@ func newStore(schema string) store {
 			WHERE id = $1 AND state IN ('running', 'compensating') RETURNING id, name)
 			, t AS (DELETE FROM ` + timerT + ` WHERE saga_id IN (SELECT id FROM s) AND kind = 'step')
 			SELECT name FROM s`,
+		// A done reply of the current step's action that could not be applied (SettlePoison):
+		// the step's later commands say that the action took effect (StepHistory.TookEffect).
+		tookEffect: `UPDATE ` + sagaT + ` SET steps = jsonb_set(steps, ARRAY[step::text, 'took_effect'], 'true')
+			WHERE id = $1 AND state IN ('running', 'compensating') AND steps -> step ->> 'name' = $2`,
 		update: `UPDATE ` + sagaT + ` SET state = $2, step = $3, attempt = $4, budget = $5, waiting = $6, data = $7, steps = $8,
 			error = $9, updated_at = now(), finished_at = CASE WHEN $2 IN ('completed', 'compensated') THEN now() END WHERE id = $1`,
 		setTimer: `INSERT INTO ` + timerT + ` (saga_id, kind, step, phase, attempt, action, due_at) VALUES ($1, $2, $3, $4, $5, $6, $7)

@@ -40,7 +40,9 @@ type cleanupOptions struct {
 }
 
 var cleaners = []cleaner{
-	{"processed_event", "inbox dedup rows older than --window", cleanProcessedEvents, "processed_at < now() - make_interval(secs => $1)"},
+	// A barrier row of a live saga is kept however old (see inbox.CleanerConfig.Sagas):
+	// dryRun adds cleaning.NotLiveBarrier for this table.
+	{"processed_event", "inbox dedup rows older than --window (a live saga's barrier rows stay)", cleanProcessedEvents, "processed_at < now() - make_interval(secs => $1)"},
 	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Window)", cleanIdempotencyRecords, "expires_at <= now() AND $1::float8 IS NOT NULL"},
 	{"saga", "sagas that finished (completed or compensated) longer than --window ago", cleanSagas, "finished_at < now() - make_interval(secs => $1)"},
 }
@@ -53,7 +55,11 @@ const dryRunCap = 1_000_000
 func dryRun(ctx context.Context, pool *pgxpool.Pool, p *printer, schema string, window time.Duration, selected []cleaner) error {
 	for _, c := range selected {
 		var n int64
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+pgsql.Table(schema, c.name)+` WHERE `+c.expired+` LIMIT $2) s`,
+		expired := c.expired
+		if c.name == "processed_event" {
+			expired += " AND " + cleaning.NotLiveBarrier(schema)
+		}
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+pgsql.Table(schema, c.name)+` WHERE `+expired+` LIMIT $2) s`,
 			window.Seconds(), dryRunCap).Scan(&n); err != nil {
 			return fmt.Errorf("%s: count expired rows: %w", c.name, err)
 		}

@@ -27,6 +27,7 @@ var everyHelp = [][]string{
 	{"topics", "-h"}, {"topics", "--help"}, {"topics", "create", "-h"}, {"topics", "list", "--help"},
 	{"inbox", "-h"}, {"inbox", "poison", "-h"}, {"inbox", "poison", "list", "--help"}, {"inbox", "poison", "delete", "-h"}, {"inbox", "poison", "replay", "-h"},
 	{"saga", "-h"}, {"saga", "--help"}, {"saga", "list", "-h"}, {"saga", "show", "-h"}, {"saga", "retry", "-h"}, {"saga", "compensate", "--help"},
+	{"saga", "versions", "-h"},
 	{"ui", "-h"}, {"ui", "--help"},
 }
 
@@ -54,6 +55,7 @@ func TestNoPasswordInOutput(t *testing.T) {
 		{"cleanup", "--nope"}, {"cleanup", "--batch-size", "x"}, {"cleanup"},
 		{"inbox", "poison"}, {"inbox", "poison", "--nope"}, {"inbox", "poison", "delete", "--id", "1"},
 		{"saga", "list"}, {"saga", "retry", "--state", "stuck", "--dry-run"}, {"cleanup", "--dry-run"}, {"ui"},
+		{"saga", "versions"}, {"saga", "versions", "--require-registered", "checkout:1"}, {"saga", "versions", "--require-registered", "checkout"},
 	}...)
 	var mu sync.Mutex
 	var leaks []string
@@ -259,6 +261,7 @@ func TestUnmigratedSchemaSaysWhatToRun(t *testing.T) {
 		{[]string{"inbox", "poison", "delete", "--id", "1"}, 1},
 		{[]string{"inbox", "poison", "replay", "--all"}, 1},
 		{[]string{"relay", "--kafka-brokers", "127.0.0.1:1"}, 1},
+		{[]string{"saga", "versions", "--require-registered", "checkout:1"}, 1},
 		{[]string{"migrate", "status"}, exitPending},
 	} {
 		r := runCmd(ctx, env, c.args...)

@@ -35,7 +35,7 @@ var commands = []command{
 	{"outbox", "inspect pending rows, find one event, list parked rows, replay them (inspect|find|parked|replay)", (*cli).runOutbox},
 	{"cleanup", "delete expired inbox dedup rows, HTTP idempotency records and finished sagas in bounded batches (once, or on a schedule)", (*cli).runCleanup},
 	{"inbox", "list the messages a batched consumer gave up on, delete handled ones (poison [delete])", (*cli).runInbox},
-	{"saga", "list sagas, show one, resume a stuck one, compensate a running one (list|show|retry|compensate)", (*cli).runSaga},
+	{"saga", "list sagas, show one, resume a stuck one, compensate a running one, the versions still alive (list|show|retry|compensate|versions)", (*cli).runSaga},
 	{"ui", "serve the operator console in a browser (read-only unless --actions; a credential unless on loopback)", (*cli).runUI},
 }
 

@@ -18,12 +18,14 @@ import (
 	"github.com/onceflow/onceflow/saga"
 )
 
-const sagaSynopsis = `saga list|show|retry|compensate [flags]
+const sagaSynopsis = `saga list|show|retry|compensate|versions [flags]
 
   list        sagas, newest first (--state running|compensating|completed|compensated|stuck, --name N)
   show ID     one saga: state, error, data, every step with its attempts, errors and the commands sent, timers
   retry ID    resume a stuck saga the way it was going: its action (forward) or compensation is re-sent
   compensate ID  stop a running saga and compensate the steps that took effect
+  versions    definition versions still alive (sagas not finished) and the orchestrators serving them;
+              --require-registered name:version,... exits 4 when a live one is missing from the list
 
 retry and compensate are carried out by a running orchestrator (within its timer interval),
 which has the saga's definition; the command only files the request.`
@@ -40,6 +42,8 @@ func (c *cli) runSaga(ctx context.Context, args []string) error {
 		return c.sagaShow(ctx, args[1:])
 	case "retry", "compensate":
 		return c.sagaRequest(ctx, args[0], args[1:])
+	case "versions":
+		return c.sagaVersions(ctx, args[1:])
 	case "-h", "-help", "--help", "help":
 		c.sagaUsage(c.stdout) // help asked for: stdout, like every other command's
 		return flag.ErrHelp
@@ -309,7 +313,8 @@ func retryWhat(w *saga.Wait) string {
 	if w.Phase == outbox.SagaPhaseCompensation {
 		return fmt.Sprintf("re-sends the compensation of step %s as attempt %d: the saga goes on compensating", w.Step, w.Attempt+1)
 	}
-	return fmt.Sprintf("re-sends the action of step %s as attempt %d: the saga goes on forward; an action that already took effect is answered with its kept result, not run again", w.Step, w.Attempt+1)
+	return fmt.Sprintf("re-sends the action of step %s as attempt %d: the saga goes on forward; an action that already took effect is answered with its kept result, not run again; "+
+		"a saga whose deadline passed while it was stuck compensates instead", w.Step, w.Attempt+1)
 }
 
 func (c *cli) sagaRequest(ctx context.Context, action string, args []string) error {

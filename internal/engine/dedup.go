@@ -58,7 +58,7 @@ func CheckConsumer(c string) error {
 
 // statements are the dedup and poison statements of one schema.
 type statements struct {
-	claimOne, claimMany, seenOne, seenMany, poison string
+	claimOne, claimMany, claimSaga, seenOne, seenMany, poison string
 }
 
 func newStatements(schema string) statements {
@@ -69,7 +69,11 @@ func newStatements(schema string) statements {
 		// one's uncommitted row, then sees it (0 rows: skip) or inserts if the first rolled back.
 		claimOne:  `INSERT INTO ` + table + ` (consumer, dedup_key) VALUES ($1, $2) ON CONFLICT DO NOTHING`,
 		claimMany: `INSERT INTO ` + table + ` (consumer, dedup_key) SELECT $1, k FROM unnest($2::text[]) AS u(k) ON CONFLICT DO NOTHING RETURNING dedup_key`,
-		seenOne:   `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND dedup_key = $2)`,
+		// A saga's keys (a participant's barrier) carry their saga's id: retention keeps them
+		// while the saga lives (migration 0015).
+		claimSaga: `INSERT INTO ` + table + ` (consumer, dedup_key, saga_id) SELECT $1, u.k, u.s FROM unnest($2::text[], $3::text[]) AS u(k, s)` +
+			` ON CONFLICT DO NOTHING RETURNING dedup_key`,
+		seenOne: `SELECT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND dedup_key = $2)`,
 		// One index probe per key, whatever the table's statistics: `dedup_key = ANY($2)` lets
 		// a generic plan made while the table was small (pgx prepares each statement once per
 		// connection) scan every row of the consumer for each lookup, until the next ANALYZE.
@@ -144,6 +148,37 @@ func (r *Runner) QueueClaim(b *pgx.Batch, keys []string, claimed *[]bool) error 
 		return nil
 	}
 	b.Queue(r.sql.claimMany, r.cfg.Consumer, distinctSorted(keys)).Query(func(rows pgx.Rows) error {
+		inserted, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return err
+		}
+		*claimed = claimedOf(keys, inserted)
+		return nil
+	})
+	return nil
+}
+
+// QueueClaimSaga is QueueClaim for keys that belong to sagas (a participant's barrier):
+// sagaIDs[i] is the saga of keys[i], kept with its row so that retention (inbox.Cleaner) does
+// not remove it while that saga is alive. keys must be distinct.
+func (r *Runner) QueueClaimSaga(b *pgx.Batch, keys, sagaIDs []string, claimed *[]bool) error {
+	if err := checkKeys(keys); err != nil {
+		return fmt.Errorf("%s: %w", r.cfg.What, err)
+	}
+	if len(sagaIDs) != len(keys) {
+		return fmt.Errorf("%s: %d keys but %d saga ids", r.cfg.What, len(keys), len(sagaIDs))
+	}
+	// In key order, as distinctSorted: two batches lock shared keys in the same order.
+	order := make([]int, len(keys))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortFunc(order, func(a, b int) int { return strings.Compare(keys[a], keys[b]) })
+	ks, ss := make([]string, len(keys)), make([]string, len(keys))
+	for j, i := range order {
+		ks[j], ss[j] = keys[i], sagaIDs[i]
+	}
+	b.Queue(r.sql.claimSaga, r.cfg.Consumer, ks, ss).Query(func(rows pgx.Rows) error {
 		inserted, err := pgx.CollectRows(rows, pgx.RowTo[string])
 		if err != nil {
 			return err

@@ -220,3 +220,14 @@ func Run(ctx context.Context, s retention.Schedule, logger *slog.Logger, clean f
 		logger.Info("retention cleanup done", "deleted", n, "took", time.Since(start))
 	}
 }
+
+// NotLiveBarrier is the condition, on a processed_event row (column saga_id, unqualified),
+// that it is not a saga participant's barrier row of a saga alive in the saga table of
+// schema: inbox.Cleaner keeps those however old, and what counts expired rows (`onceflow
+// status`, `cleanup --dry-run`) must not count them. A scalar subquery, one primary-key probe
+// per barrier row: NOT EXISTS under OR becomes a hashed subplan that reads every live saga
+// per statement.
+func NotLiveBarrier(schema string) string {
+	return `(saga_id IS NULL OR (SELECT s.finished_at IS NULL FROM ` + pgsql.Table(schema, "saga") +
+		` s WHERE s.id = saga_id) IS NOT TRUE)`
+}

@@ -1,0 +1,12 @@
+-- onceflow 0015: a saga participant's barrier rows name their saga, so retention keeps them
+-- while the saga lives. The schema placeholder is replaced by the configured, validated and
+-- quoted schema name. A catalog change only: a nullable column without a default rewrites
+-- nothing, and every other dedup row keeps it NULL.
+--
+-- A barrier row records that a step's action (or compensation) was decided at this consumer.
+-- Removed after the dedup window while its saga is still alive (stuck for days, waiting on a
+-- long timer), a late retry would find the action's key free and run the action again, or
+-- take a compensation for a null one and never undo the effect. inbox.Cleaner deletes a row
+-- with a saga_id only once that saga is no longer running, compensating or stuck in the
+-- saga table of the same schema.
+ALTER TABLE {{schema}}.processed_event ADD COLUMN IF NOT EXISTS saga_id text;
