@@ -28,12 +28,12 @@ type ParcelV2 struct {
 	Tracking  string  `json:"tracking,omitempty"`
 }
 
-// delivery books a courier, then prints the label. A busy courier is asked again an hour
-// later: meanwhile the saga waits at a step boundary.
+// delivery books a courier, then prints the label. A busy courier is asked again five
+// minutes later: meanwhile the saga waits at a step boundary.
 var delivery = saga.MustDefine("delivery", 1, []*saga.StepDef[Parcel]{
 	saga.Step[Parcel]("book-courier").
 		Send("courier.book", func(p Parcel) (any, error) { return p, nil }).
-		Attempts(5, time.Hour),
+		Attempts(5, 5*time.Minute),
 	saga.Step[Parcel]("print-label").
 		Send("labels.print", func(p Parcel) (any, error) { return p, nil }),
 })
@@ -93,7 +93,7 @@ func upgradeDeliveries(ctx context.Context, pool *pgxpool.Pool) error {
 
 // upgrade-run:end
 
-// Two deliveries of version 1 wait to ask a busy courier again, an hour later. Version 2
+// Two deliveries of version 1 wait to ask a busy courier again, five minutes later. Version 2
 // takes them over: order-1 is upgraded, at once re-sends its booking to the carrier (version
 // 2's backoff has passed) and goes on to print the label and track the parcel; order-2's
 // weight does not convert, so it stays on version 1. The saga's history records the upgrade.

@@ -54,8 +54,9 @@ func upgradeCart(c CartV1) (CartV2, error) {
 	return CartV2{Order: c.Order, Total: Price{Cents: c.Cents, Currency: "EUR"}}, nil
 }
 
-// cartV1 is reserve → charge → ship; a failed attempt is re-sent an hour later, so a saga
-// whose participant asked for a retry waits at that step boundary for the whole test.
+// cartV1 is reserve → charge → ship; a failed attempt is re-sent five minutes later (the
+// backoff is capped at saga.MaxBackoff), so a saga whose participant asked for a retry waits
+// at that step boundary for the whole test.
 var cartV1 = saga.MustDefine("cart", 1, []*saga.StepDef[CartV1]{
 	saga.Step[CartV1]("reserve").Send("v1.reserve", cartV1Cmd).Compensate("v1.release", cartV1Cmd).Attempts(5, time.Hour),
 	saga.Step[CartV1]("charge").Send("v1.charge", cartV1Cmd).Compensate("v1.refund", cartV1Cmd).Attempts(5, time.Hour),
