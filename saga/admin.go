@@ -488,7 +488,7 @@ const MaxBulkLimit = 10_000
 // BulkRefusal is a saga a bulk request did not apply to, and why.
 type BulkRefusal struct {
 	ID  string
-	Err error // wraps ErrWrongState, ErrPastPivot or ErrNotFound
+	Err error // wraps ErrWrongState, ErrPastPivot, ErrNotUpgradable or ErrNotFound
 }
 
 // BulkResult reports a bulk request saga by saga.
@@ -597,7 +597,7 @@ func (a *Admin) Barriers(ctx context.Context, db DB, d *Detail) ([]Barrier, erro
 	var list []string
 	for _, s := range d.Steps {
 		for _, ph := range []outbox.SagaPhase{outbox.SagaPhaseAction, outbox.SagaPhaseCompensation} {
-			k := barrierKey(d.ID, s.Name, ph)
+			k := barrierKey(d.ID, s.wireName(), ph) // the name the participant knows the step by
 			keys[k] = key{s.Name, ph}
 			list = append(list, k)
 		}

@@ -199,6 +199,8 @@ type options struct {
 	// onCompleted and onCompensated hold a func(context.Context, pgx.Tx, *D) error (see
 	// OnCompleted), checked against D by Define.
 	onCompleted, onCompensated any
+	// upgrades are the earlier versions this one takes over running sagas of (Upgrade).
+	upgrades []upgradeDecl
 }
 
 // OnCompleted sets a hook that runs in the transaction of the transition that completes a
@@ -254,7 +256,9 @@ type Definition[D any] struct {
 // it started with. To change a saga, Define it again with the next version, register both
 // versions with the orchestrator, start new sagas on the new one, and remove the old one once
 // `onceflow saga versions` shows none of its sagas running, compensating or stuck
-// (Admin.CheckVersions checks a build; see docs/sagas.md).
+// (Admin.CheckVersions checks a build; see docs/sagas.md). A new version that declares
+// Upgrade from an old one can also take over the old one's running sagas, each at a step
+// boundary (Admin.UpgradeMatching, `onceflow saga upgrade`).
 func Define[D any](name string, version int, steps []*StepDef[D], opts ...Option) (*Definition[D], error) {
 	d := &Definition[D]{name: name, version: version, steps: steps, pivot: len(steps)}
 	d.opts = options{compensationAttempts: DefaultCompensationAttempts, compensationBackoff: DefaultBackoff}
@@ -345,6 +349,7 @@ func Define[D any](name string, version int, steps []*StepDef[D], opts ...Option
 			problems = append(problems, fmt.Errorf("%s: Compensate is not allowed: %s", where, what))
 		}
 	}
+	problems = append(problems, d.upgradeProblems()...) // upgrade.go
 	if err := config.Check("saga "+fmt.Sprintf("%q", name)+" definition", problems...); err != nil {
 		return nil, err
 	}

@@ -39,6 +39,11 @@
 // them with `onceflow saga retry`, which goes on the way the saga was going: forward by
 // re-sending the step's command, or on with its compensation.
 //
+// A saga runs to its end on the definition version it started with, unless a newer version
+// declares how to take it over (Upgrade: a data conversion and a StepMap): then
+// Admin.UpgradeMatching, or `onceflow saga upgrade` through an orchestrator, moves it onto
+// the new version in one transaction, at a step boundary (no command in flight).
+//
 // See docs/sagas.md for the whole guide: definitions, participants, local steps, timers,
 // batching and hot rows, operations.
 package saga

@@ -497,6 +497,14 @@ func (u *timerBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 		if err != nil {
 			return nil, &timerError{d.sagaID, d.t.Kind, err}
 		}
+		if d.t.Kind == timerOperator && d.t.Action == actUpgrade {
+			// Needs the definition to upgrade to, not the saga's own (upgrade_apply.go).
+			if err := o.upgradeRequested(ctx, tx, in, now, d.t); err != nil {
+				return nil, &timerError{d.sagaID, d.t.Kind, err}
+			}
+			applied = append(applied, i)
+			continue
+		}
 		def, err := o.lookup(in.Name, in.Version)
 		if err != nil {
 			return nil, &timerError{d.sagaID, d.t.Kind, err}

@@ -107,6 +107,14 @@ type StepHistory struct {
 	Replies    []ReceivedReply `json:"replies,omitempty"`
 	StartedAt  *time.Time      `json:"started_at,omitempty"`
 	FinishedAt *time.Time      `json:"finished_at,omitempty"`
+	// SentAs is the step name the step's commands carry — the participants' dedup and barrier
+	// keys — when it is not Name: an upgrade renamed the step after it had sent commands, and
+	// its later commands (a re-send, its compensation) keep the name its participant knows it
+	// by. Empty when the commands carry Name.
+	SentAs string `json:"sent_as,omitempty"`
+	// Upgrades records the upgrades of the saga to a newer definition version made at this
+	// step, and the ones refused there (upgrade.go; Detail.Upgrades lists them all).
+	Upgrades []UpgradeRecord `json:"upgrades,omitempty"`
 }
 
 // SentCommand records a command the saga wrote to the outbox.
@@ -320,7 +328,7 @@ func (m *machine) stale(why string) error {
 
 func (m *machine) onReply(r replyEvent) error {
 	in := m.in
-	idx := m.def.stepIndex(r.Step)
+	idx := in.stepNamed(m.def, r.Step) // the name its command carried (upgrade.go)
 	switch {
 	case idx < 0:
 		return m.stale(fmt.Sprintf("reply for unknown step %q", r.Step))
@@ -660,7 +668,7 @@ func (m *machine) send(idx int, phase outbox.SagaPhase, attempt int) error {
 		return m.stuck(fmt.Sprintf("step %q: %s", rec.Name, reason))
 	}
 	msg := outbox.SetPartitionKey(outbox.NewMessage(payload), in.ID)
-	outbox.SetSaga(msg, outbox.SagaRef{ID: in.ID, Step: st.name, Phase: phase, Attempt: attempt})
+	outbox.SetSaga(msg, outbox.SagaRef{ID: in.ID, Step: rec.wireName(), Phase: phase, Attempt: attempt})
 	msg.Metadata.Set(outbox.MetadataSagaName, in.Name)
 	msg.Metadata.Set(outbox.MetadataSagaReplyTo, m.def.replyTopic())
 	if rec.TookEffect {

@@ -28,7 +28,10 @@ const sagaSynopsis = `saga list|show|retry|compensate|versions [flags]
               --require-registered name:version,... exits 4 when a live one is missing from the list
 
 retry and compensate are carried out by a running orchestrator (within its timer interval),
-which has the saga's definition; the command only files the request.`
+which has the saga's definition; the command only files the request.
+
+  upgrade --name N --from V  move the unfinished sagas of version V, each at a step boundary, onto
+              a newer version declaring saga.Upgrade from V (requests an orchestrator carries out)`
 
 func (c *cli) runSaga(ctx context.Context, args []string) error {
 	if len(args) == 0 {
@@ -36,6 +39,8 @@ func (c *cli) runSaga(ctx context.Context, args []string) error {
 		return errUsage
 	}
 	switch args[0] {
+	case "upgrade":
+		return c.sagaUpgrade(ctx, args[1:]) // sagaupgrade.go
 	case "list":
 		return c.sagaList(ctx, args[1:])
 	case "show":
@@ -162,6 +167,7 @@ func (c *cli) sagaShow(ctx context.Context, args []string) error {
 		p.f(" at step %s", d.Step)
 	}
 	p.f("\nstarted %s, updated %s\n", fmtTime(d.CreatedAt), fmtTime(d.UpdatedAt))
+	printUpgrades(p, d) // sagaupgrade.go
 	if d.Wait != nil {
 		p.f("waiting for: %s\n", waitText(d))
 	}
@@ -175,6 +181,9 @@ func (c *cli) sagaShow(ctx context.Context, args []string) error {
 		status := s.Status
 		if s.Uncertain {
 			status += " (uncertain)"
+		}
+		if s.SentAs != "" {
+			status += " (sent as " + s.SentAs + ")"
 		}
 		switch {
 		case s.Local && s.LocalCompensation:
