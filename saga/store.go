@@ -65,7 +65,10 @@ func newStore(schema string) store {
 		// each joined to its saga by primary key.
 		claimTimers: `SELECT t.saga_id, t.kind, t.step, t.phase, t.attempt, t.action, t.due_at FROM ` + timerT + ` t
 			JOIN ` + sagaT + ` s ON s.id = t.saga_id
-			WHERE t.due_at <= now() AND (s.name, s.version) IN (SELECT r.name, r.version FROM unnest($2::text[], $3::int[]) AS r (name, version))
+			WHERE t.due_at <= now() AND ((s.name, s.version) IN (SELECT r.name, r.version FROM unnest($2::text[], $3::int[]) AS r (name, version))
+				-- an upgrade request is carried out by an orchestrator that has the target
+				-- version (in attempt), which may lack the saga's own
+				OR (t.kind = 'operator' AND t.action = 'upgrade' AND (s.name, t.attempt) IN (SELECT r.name, r.version FROM unnest($2::text[], $3::int[]) AS r (name, version))))
 			ORDER BY t.due_at LIMIT $1 FOR UPDATE OF t, s SKIP LOCKED`,
 	}
 }
