@@ -57,15 +57,6 @@ func TestLateRetryAfterRetention(t *testing.T) {
 		}
 		return n
 	}
-	retry := func(t *testing.T, w *world, id string) {
-		t.Helper()
-		if err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(ctx, tx, id) }); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := w.orch.FireDue(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
 
 	stuckAtThePivot := func(t *testing.T, viaSagas bool) {
 		var hookFails atomic.Bool
@@ -76,13 +67,7 @@ func TestLateRetryAfterRetention(t *testing.T) {
 			}
 			return nil
 		})
-		def, err := saga.Define("checkout", 1, []*saga.StepDef[Checkout]{
-			saga.Step[Checkout]("reserve").Send("cmd.reserve", cmdOf).Compensate("undo.reserve", cmdOf),
-			saga.Step[Checkout]("charge").Send("cmd.charge", cmdOf).Pivot(),
-		}, hook)
-		if err != nil {
-			t.Fatal(err)
-		}
+		def := pivotCheckout(t, hook)
 		w := newWorld(t, def)
 		id := w.start("o-1")
 		if d := w.runUntil(id, saga.StateStuck, saga.StateCompleted, saga.StateCompensated); d.State != saga.StateStuck {
@@ -90,7 +75,7 @@ func TestLateRetryAfterRetention(t *testing.T) {
 		}
 		ageAndClean(t, w, viaSagas)
 		hookFails.Store(false)
-		retry(t, w, id)
+		w.retryNow(id)
 		d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated, saga.StateStuck)
 		w.mu.Lock()
 		calls := w.calls["charge/action"]
@@ -133,7 +118,7 @@ func TestLateRetryAfterRetention(t *testing.T) {
 			w.mu.Lock()
 			w.compFail["charge"] = 0
 			w.mu.Unlock()
-			retry(t, w, id)
+			w.retryNow(id)
 			d = w.runUntil(id, saga.StateCompleted, saga.StateCompensated, saga.StateStuck)
 			want := []string{"reserve/action", "charge/action", "charge/compensation", "reserve/compensation"}
 			if got := w.effects(id); d.State != saga.StateCompensated || !slices.Equal(got, want) {
@@ -174,12 +159,7 @@ func TestRetryPastTheDeadlineCompensates(t *testing.T) {
 		t.Fatalf("after its deadline fell due: saga %s, want still stuck", d.State)
 	}
 	hookFails.Store(false)
-	if err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(ctx, tx, id) }); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := w.orch.FireDue(ctx); err != nil {
-		t.Fatal(err)
-	}
+	w.retryNow(id)
 	d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated, saga.StateStuck)
 	want := []string{"reserve/action", "charge/action", "confirm/action", "confirm/compensation", "charge/compensation", "reserve/compensation"}
 	if got := w.effects(id); d.State != saga.StateCompensated || !strings.Contains(d.Error, "deadline") || !slices.Equal(got, want) {
@@ -203,32 +183,17 @@ func TestLostBarrierRowIsNeverTakenForAnActionThatNeverRan(t *testing.T) {
 			t.Fatalf("delete the barrier rows: %v, %d rows", err, tag.RowsAffected())
 		}
 	}
-	retry := func(t *testing.T, w *world, id string) {
-		t.Helper()
-		if err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(ctx, tx, id) }); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := w.orch.FireDue(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
 	t.Run("stuck at the pivot", func(t *testing.T) {
 		t.Parallel()
 		hook := saga.OnCompleted(func(context.Context, pgx.Tx, *Checkout) error { return errors.New("orders table locked") })
-		def, err := saga.Define("checkout", 1, []*saga.StepDef[Checkout]{
-			saga.Step[Checkout]("reserve").Send("cmd.reserve", cmdOf).Compensate("undo.reserve", cmdOf),
-			saga.Step[Checkout]("charge").Send("cmd.charge", cmdOf).Pivot(),
-		}, hook)
-		if err != nil {
-			t.Fatal(err)
-		}
+		def := pivotCheckout(t, hook)
 		w := newWorld(t, def)
 		id := w.start("o-1")
 		if d := w.runUntil(id, saga.StateStuck, saga.StateCompleted, saga.StateCompensated); d.State != saga.StateStuck || !d.Steps[1].TookEffect {
 			t.Fatalf("saga %s (%q), charge %+v; want stuck by the hook, the charge recorded as took effect", d.State, d.Error, d.Steps[1])
 		}
 		loseBarrier(t, w)
-		retry(t, w, id)
+		w.retryNow(id)
 		w.runUntil(id, saga.StateRunning, saga.StateCompleted) // the retry was applied
 		d := w.runUntil(id, saga.StateStuck, saga.StateCompleted, saga.StateCompensated)
 		w.mu.Lock()
@@ -255,11 +220,36 @@ func TestLostBarrierRowIsNeverTakenForAnActionThatNeverRan(t *testing.T) {
 		w.mu.Lock()
 		w.compFail["charge"] = 0
 		w.mu.Unlock()
-		retry(t, w, id)
+		w.retryNow(id)
 		d := w.runUntil(id, saga.StateCompleted, saga.StateCompensated, saga.StateStuck)
 		want := []string{"reserve/action", "charge/action", "charge/compensation", "reserve/compensation"}
 		if got := w.effects(id); d.State != saga.StateCompensated || !slices.Equal(got, want) {
 			t.Fatalf("retried without its barrier rows: saga %s (%q), effects %v; want compensated with %v", d.State, d.Error, got, want)
 		}
 	})
+}
+
+// retryNow files an operator's retry of the stuck saga id and fires it at once.
+func (w *world) retryNow(id string) {
+	w.t.Helper()
+	ctx := context.Background()
+	if err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return w.admin().RetryTx(ctx, tx, id) }); err != nil {
+		w.t.Fatal(err)
+	}
+	if _, err := w.orch.FireDue(ctx); err != nil {
+		w.t.Fatal(err)
+	}
+}
+
+// pivotCheckout is reserve (compensated by undo.reserve) → charge, the pivot.
+func pivotCheckout(t *testing.T, opts ...saga.Option) *saga.Definition[Checkout] {
+	t.Helper()
+	def, err := saga.Define("checkout", 1, []*saga.StepDef[Checkout]{
+		saga.Step[Checkout]("reserve").Send("cmd.reserve", cmdOf).Compensate("undo.reserve", cmdOf),
+		saga.Step[Checkout]("charge").Send("cmd.charge", cmdOf).Pivot(),
+	}, opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return def
 }
