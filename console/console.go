@@ -148,6 +148,8 @@ func (c *Console) routes() {
 	m.HandleFunc("GET /sagas/{id}/{action}", c.sagaConfirm)
 	m.HandleFunc("POST /sagas/{id}/{action}", c.sagaAction)
 	m.HandleFunc("GET /versions", c.versions)
+	m.HandleFunc("GET /versions/{name}/{version}/upgrade", c.upgradeConfirm)
+	m.HandleFunc("POST /versions/{name}/{version}/upgrade", c.upgradeAction)
 	m.HandleFunc("GET /bulk/sagas/{action}", c.bulkConfirm)
 	m.HandleFunc("POST /bulk/sagas/{action}", c.bulkAction)
 	m.HandleFunc("GET /outbox", c.outboxPage)

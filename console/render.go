@@ -20,7 +20,7 @@ import (
 const csrfCookie = "onceflow_csrf"
 
 // pageNames are the templates in templates/, each rendered inside layout.html.
-var pageNames = []string{"error", "overview", "sagas", "saga", "confirm", "bulk", "outbox", "find", "parked", "inbox", "poison", "idempotency", "versions"}
+var pageNames = []string{"error", "overview", "sagas", "saga", "confirm", "bulk", "outbox", "find", "parked", "inbox", "poison", "idempotency", "versions", "upgrade"}
 
 func (c *Console) parseTemplates() error {
 	funcs := template.FuncMap{

@@ -148,11 +148,12 @@ func (l *logBuffer) Write(p []byte) (int, error) {
 }
 func (l *logBuffer) String() string { l.mu.Lock(); defer l.mu.Unlock(); return l.b.String() }
 
-// newServer serves a console over db; the log goes to the returned buffer.
-func newServer(t testing.TB, db *testdb.DB, actions bool) (*httptest.Server, *logBuffer) {
+// newServer serves a console over db, given the saga definitions defs; the log goes to the
+// returned buffer.
+func newServer(t testing.TB, db *testdb.DB, actions bool, defs ...saga.Known) (*httptest.Server, *logBuffer) {
 	t.Helper()
 	logs := &logBuffer{}
-	h, err := console.New(console.Config{DB: db.Pool, Schema: db.Schema, Actions: actions, Prefix: "/ops",
+	h, err := console.New(console.Config{DB: db.Pool, Schema: db.Schema, Actions: actions, Prefix: "/ops", Sagas: defs,
 		Logger: slog.New(slog.NewTextHandler(logs, nil))})
 	if err != nil {
 		t.Fatal(err)
