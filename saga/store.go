@@ -67,8 +67,10 @@ func newStore(schema string) store {
 			JOIN ` + sagaT + ` s ON s.id = t.saga_id
 			WHERE t.due_at <= now() AND ((s.name, s.version) IN (SELECT r.name, r.version FROM unnest($2::text[], $3::int[]) AS r (name, version))
 				-- an upgrade request is carried out by an orchestrator that has the target
-				-- version (in attempt), which may lack the saga's own
-				OR (t.kind = 'operator' AND t.action = 'upgrade' AND (s.name, t.attempt) IN (SELECT r.name, r.version FROM unnest($2::text[], $3::int[]) AS r (name, version))))
+				-- version (in attempt; 0: the newest that declares the upgrade, so any later
+				-- one), which may lack the saga's own
+				OR (t.kind = 'operator' AND t.action = 'upgrade' AND EXISTS (SELECT FROM unnest($2::text[], $3::int[]) AS r (name, version)
+					WHERE r.name = s.name AND (r.version = t.attempt OR (t.attempt = 0 AND r.version > s.version)))))
 			ORDER BY t.due_at LIMIT $1 FOR UPDATE OF t, s SKIP LOCKED`,
 	}
 }

@@ -586,3 +586,36 @@ func TestUpgradeRequestWaitsForAnOrchestratorWithTheDefinition(t *testing.T) {
 		t.Errorf("UpgradeMatching to a definition without the declaration: %v", err)
 	}
 }
+
+// A request for "the newest version" (to 0, what `onceflow saga upgrade` files without --to)
+// is carried out by an orchestrator of the new deploy that has only the new version.
+func TestUpgradeRequestToTheNewestVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	w := newCartWorld(t, cartV1)
+	w.startCarts(1) // o-000 at reserve, waiting to re-send
+	cli, err := saga.NewAdmin(w.db.Schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return cli.RequestUpgradeTx(ctx, tx, "o-000", 1, 0) }); err != nil {
+		t.Fatal(err)
+	}
+	o, err := saga.NewOrchestrator(saga.OrchestratorConfig{Pool: w.db.Pool, Schema: w.db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := saga.Register(o, cartV2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := o.FireDue(ctx); err != nil {
+		t.Fatal(err)
+	}
+	d, err := cli.Get(ctx, w.db.Pool, "o-000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ups := d.Upgrades(); d.Version != 2 || len(ups) != 1 || ups[0].To != 2 || ups[0].Refused != "" {
+		t.Fatalf("an orchestrator with only version 2 did not carry out the request for the newest version: v%d, timeline %+v", d.Version, ups)
+	}
+}

@@ -64,6 +64,11 @@ func (c *cli) sagaUpgrade(ctx context.Context, args []string) error {
 		more = fmt.Sprintf(" (more are unfinished: at most --limit %d per run; run it again for the rest)", *limit)
 	}
 	p := &printer{w: c.stdout}
+	if len(res.Requested) > 0 {
+		if served, verr := newerServed(ctx, admin, pool, *name, *from, *to); verr == nil && !served {
+			p.f("note: no running orchestrator has %s of %s registered (onceflow saga versions): the requests wait until one runs\n", target, *name)
+		}
+	}
 	if *dry {
 		p.f("%d of %d unfinished sagas of %s version %d are at a step boundary and would get an upgrade request to %s (dry run: nothing filed)%s:\n",
 			len(res.Requested), len(res.Matched), *name, *from, target, more)
@@ -97,6 +102,21 @@ func (c *cli) sagaUpgrade(ctx context.Context, args []string) error {
 		return fmt.Errorf("%d sagas refused (listed above); the others were requested; run it again later for those not at a step boundary", len(res.Refused))
 	}
 	return nil
+}
+
+// newerServed reports whether a live orchestrator has a version of name that an upgrade from
+// version from (to version to, or the newest when 0) could go to.
+func newerServed(ctx context.Context, admin *saga.Admin, db saga.DB, name string, from, to int) (bool, error) {
+	vs, err := admin.Versions(ctx, db)
+	if err != nil {
+		return false, err
+	}
+	for _, v := range vs {
+		if v.Name == name && len(v.Orchestrators) > 0 && (v.Version == to || (to == 0 && v.Version > from)) {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // refusalText is a refusal without the prefixes the list already says.

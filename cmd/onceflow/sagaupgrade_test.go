@@ -97,6 +97,7 @@ func TestSagaUpgradeCommand(t *testing.T) {
 		"2 of 3 unfinished sagas of checkout version 1 are at a step boundary and would get an upgrade request to the newest version that declares saga.Upgrade from 1 (dry run: nothing filed)",
 		"  o-1 at step reserve\n", "  o-3 at step reserve\n",
 		"  o-2: it waits for the reply to step charge (attempt 1): a command is in flight",
+		"note: no running orchestrator has the newest version that declares saga.Upgrade from 1 of checkout registered (onceflow saga versions): the requests wait until one runs",
 	} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("dry run does not say %q:\n%s", want, r.stdout)
@@ -118,7 +119,15 @@ func TestSagaUpgradeCommand(t *testing.T) {
 		t.Errorf("nothing to upgrade:\n%s", r.stderr)
 	}
 
+	// A live orchestrator of the new deploy has version 2: no note.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("saga_orchestrator")+` (id, consumer, host, pid, definitions, expires_at)
+		VALUES ('new-1', 'onceflow-saga', 'web-1', 1, '[{"name": "checkout", "version": 2}]', now() + interval '1 minute')`); err != nil {
+		t.Fatal(err)
+	}
 	r = runCmd(ctx, env, "saga", "upgrade", "--name", "checkout", "--from", "1", "--to", "2").expect(t, "saga upgrade", 1)
+	if strings.Contains(r.stdout, "note: no running orchestrator") {
+		t.Errorf("the upgrade notes a missing orchestrator, though one with version 2 runs:\n%s", r.stdout)
+	}
 	for _, want := range []string{
 		"upgrade requested for saga o-1 (at step reserve)", "upgrade requested for saga o-3 (at step reserve)",
 		"refused saga o-2: it waits for the reply to step charge",
