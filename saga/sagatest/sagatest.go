@@ -53,8 +53,16 @@ type Bus struct {
 	Delivered int
 }
 
-// NewBus returns a bus over the outbox of schema.
+// NewBus returns a bus over the outbox of schema ("" for the default, "onceflow", as every
+// Config's Schema). It panics on a schema name that is not a plain identifier: a test's
+// mistake, reported where it is made.
 func NewBus(pool *pgxpool.Pool, schema string) *Bus {
+	if schema == "" {
+		schema = pgsql.DefaultSchema
+	}
+	if err := pgsql.ValidateSchema(schema); err != nil {
+		panic("sagatest.NewBus: " + err.Error())
+	}
 	return &Bus{pool: pool, schema: schema, handlers: map[string][]func(*message.Message) error{}, batches: map[string][]inbox.BatchProcessor{}}
 }
 
