@@ -37,6 +37,16 @@ type cleanupOptions struct {
 	allowShort bool
 	batchSize  int
 	logger     *slog.Logger
+	// sagas, when set, is the orchestrator's database (--saga-database-url): the inbox
+	// cleaner asks it which barrier rows' sagas are alive instead of this schema's saga table.
+	sagas *sagaSource
+}
+
+// sagaSource is the database and schema of the orchestrator whose sagas the participant's
+// barrier rows belong to.
+type sagaSource struct {
+	pool  *pgxpool.Pool
+	admin *saga.Admin
 }
 
 var cleaners = []cleaner{
@@ -52,12 +62,19 @@ var cleaners = []cleaner{
 const dryRunCap = 1_000_000
 
 // dryRun prints how many rows each selected cleaner would delete now, and deletes nothing.
-func dryRun(ctx context.Context, pool *pgxpool.Pool, p *printer, schema string, window time.Duration, selected []cleaner) error {
+// With elsewhere (--saga-database-url), processed_event's count leaves barrier rows out: which
+// of them go is asked of the orchestrator's database during the cleanup itself.
+func dryRun(ctx context.Context, pool *pgxpool.Pool, p *printer, schema string, window time.Duration, selected []cleaner, elsewhere bool) error {
 	for _, c := range selected {
 		var n int64
-		expired := c.expired
+		expired, note := c.expired, ""
 		if c.name == "processed_event" {
-			expired += " AND " + cleaning.NotLiveBarrier(schema)
+			if elsewhere {
+				expired += " AND saga_id IS NULL"
+				note = "; expired barrier rows not counted: those of sagas that finished go too, asked of --saga-database-url"
+			} else {
+				expired += " AND " + cleaning.NotLiveBarrier(schema)
+			}
 		}
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+pgsql.Table(schema, c.name)+` WHERE `+expired+` LIMIT $2) s`,
 			window.Seconds(), dryRunCap).Scan(&n); err != nil {
@@ -67,7 +84,7 @@ func dryRun(ctx context.Context, pool *pgxpool.Pool, p *printer, schema string, 
 		if n >= dryRunCap {
 			more = " or more"
 		}
-		p.f("%s: %d%s expired rows would be deleted (dry run: nothing deleted)\n", c.name, n, more)
+		p.f("%s: %d%s expired rows would be deleted (dry run: nothing deleted)%s\n", c.name, n, more, note)
 	}
 	return p.err
 }
@@ -91,9 +108,15 @@ func cleanIdempotencyRecords(ctx context.Context, pool *pgxpool.Pool, o cleanupO
 }
 
 func cleanProcessedEvents(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error) {
-	c, err := inbox.NewCleaner(inbox.CleanerConfig{
+	cfg := inbox.CleanerConfig{
 		Pool: pool, Schema: o.schema, Window: o.window, AllowShortWindow: o.allowShort, BatchSize: o.batchSize, Logger: o.logger,
-	})
+	}
+	if o.sagas != nil {
+		cfg.Sagas = func(ctx context.Context, ids []string) ([]string, error) {
+			return o.sagas.admin.Alive(ctx, o.sagas.pool, ids)
+		}
+	}
+	c, err := inbox.NewCleaner(cfg)
 	if err != nil {
 		return 0, err
 	}
@@ -120,6 +143,12 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 	every := fs.Duration("every", 0, "keep running and clean at this interval, e.g. 1h")
 	dailyAt := fs.String("daily-at", "", "keep running and clean once a day at this UTC time, e.g. 03:00")
 	dry := fs.Bool("dry-run", false, "count the rows each table would lose now, and delete nothing")
+	sagaDB := &dbFlags{c: c, url: c.getenv("ONCEFLOW_SAGA_DATABASE_URL")}
+	c.secrets.add(sagaDB.url) // masked in everything the command writes, as DATABASE_URL is
+	fs.Var(&dsnValue{s: &sagaDB.url, secrets: c.secrets, warn: c.stderr, flag: "--saga-database-url", env: "ONCEFLOW_SAGA_DATABASE_URL"}, "saga-database-url",
+		"the saga orchestrator's database, when it is not this one: processed_event keeps the barrier rows of its sagas that are not finished "+
+			"(default: this schema's saga table) [ONCEFLOW_SAGA_DATABASE_URL]")
+	fs.StringVar(&sagaDB.schema, "saga-schema", "", "the onceflow schema in --saga-database-url (default: --schema)")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -174,6 +203,16 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 	if err := db.validate(); err != nil {
 		problems = append(problems, err)
 	}
+	if sagaDB.url == "" && sagaDB.schema != "" {
+		problems = append(problems, errors.New("--saga-schema without --saga-database-url: give the orchestrator's database too"))
+	} else if sagaDB.url != "" {
+		if sagaDB.schema == "" {
+			sagaDB.schema = db.schema
+		}
+		if err := pgsql.ValidateSchema(sagaDB.schema); err != nil {
+			problems = append(problems, fmt.Errorf("--saga-schema: %w", err))
+		}
+	}
 	if err := errors.Join(problems...); err != nil {
 		return err
 	}
@@ -183,11 +222,24 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
+	var sagas *sagaSource
+	if sagaDB.url != "" {
+		sagaPool, err := sagaDB.connect(ctx, "onceflow-cleanup")
+		if err != nil {
+			return fmt.Errorf("--saga-database-url: %w", err)
+		}
+		defer sagaPool.Close()
+		admin, err := saga.NewAdmin(sagaDB.schema)
+		if err != nil {
+			return err
+		}
+		sagas = &sagaSource{pool: sagaPool, admin: admin}
+	}
 	if *dry {
-		return dryRun(ctx, pool, &printer{w: c.stdout}, db.schema, window, selected)
+		return dryRun(ctx, pool, &printer{w: c.stdout}, db.schema, window, selected, sagas != nil)
 	}
 	logger := slog.New(slog.NewTextHandler(c.stderr, nil))
-	opts := cleanupOptions{schema: db.schema, window: window, allowShort: *allowShort, batchSize: *batchSize, logger: logger}
+	opts := cleanupOptions{schema: db.schema, window: window, allowShort: *allowShort, batchSize: *batchSize, logger: logger, sagas: sagas}
 	out := c.stdout // the loop below names each cleaner c
 	cleanAll := func(ctx context.Context) (int64, error) {
 		var total int64

@@ -134,3 +134,53 @@ func TestCleanupScheduleFlags(t *testing.T) {
 		}
 	}
 }
+
+// With the orchestrator in another database, --saga-database-url keeps the barrier rows of
+// its sagas that are not finished; the others (finished, or without a saga row) and the plain
+// dedup rows go. Without the flag this database's own saga table is asked, here empty.
+func TestCleanupAsksTheOrchestratorsDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	participant, orders := testdb.New(t), testdb.New(t)
+	if _, err := orders.Pool.Exec(ctx, `INSERT INTO `+orders.Table("saga")+` (id, name, version, state, data, steps, finished_at)
+		VALUES ('live', 'checkout', 1, 'stuck', '{}', '[]', NULL), ('done', 'checkout', 1, 'completed', '{}', '[]', now())`); err != nil {
+		t.Fatal(err)
+	}
+	seed := func() {
+		t.Helper()
+		if _, err := participant.Pool.Exec(ctx, `INSERT INTO `+participant.Table("processed_event")+` (consumer, dedup_key, processed_at, saga_id) VALUES
+			('payments', 'saga-barrier:"live":"charge":action', now() - interval '100 hours', 'live'),
+			('payments', 'saga-barrier:"done":"charge":action', now() - interval '100 hours', 'done'),
+			('payments', 'saga-barrier:"gone":"charge":action', now() - interval '100 hours', 'gone'),
+			('payments', 'event:1', now() - interval '100 hours', NULL)`); err != nil {
+			t.Fatal(err)
+		}
+	}
+	left := func() string {
+		t.Helper()
+		var keys string
+		if err := participant.Pool.QueryRow(ctx, `SELECT coalesce(string_agg(dedup_key, ' ' ORDER BY dedup_key), '') FROM `+participant.Table("processed_event")).Scan(&keys); err != nil {
+			t.Fatal(err)
+		}
+		return keys
+	}
+	seed()
+	base := []string{"cleanup", "--only", "processed_event", "--database-url", participant.URL, "--schema", participant.Schema}
+	withOrders := append(append([]string{}, base...), "--saga-database-url", orders.URL, "--saga-schema", orders.Schema)
+
+	if r := runCmd(ctx, nil, append(append([]string{}, base...), "--saga-schema", orders.Schema)...); r.code != 1 || !strings.Contains(r.stderr, "--saga-schema without --saga-database-url") {
+		t.Errorf("--saga-schema alone exited %d:\n%s", r.code, r.stderr)
+	}
+	r := runCmd(ctx, nil, append(withOrders, "--dry-run")...).expect(t, "dry run", 0)
+	if !strings.Contains(r.stdout, "processed_event: 1 expired rows would be deleted") || !strings.Contains(r.stdout, "barrier rows not counted") {
+		t.Errorf("the dry run does not say what it counts:\n%s", r.stdout)
+	}
+	runCmd(ctx, nil, withOrders...).expect(t, "cleanup", 0)
+	if got := left(); got != `saga-barrier:"live":"charge":action` {
+		t.Errorf("after cleanup with the orchestrator's database, left: %q; want only the live saga's barrier row", got)
+	}
+	runCmd(ctx, nil, base...).expect(t, "cleanup without the flag", 0)
+	if got := left(); got != "" {
+		t.Errorf("without --saga-database-url this database's (empty) saga table decides; left: %q", got)
+	}
+}

@@ -109,7 +109,7 @@ type dbFlags struct {
 
 func (c *cli) addDBFlags(fs *flag.FlagSet) *dbFlags {
 	d := &dbFlags{c: c, url: c.getenv("DATABASE_URL")}
-	fs.Var(&dsnValue{s: &d.url, secrets: c.secrets, warn: c.stderr}, "database-url",
+	fs.Var(&dsnValue{s: &d.url, secrets: c.secrets, warn: c.stderr, flag: "--database-url", env: "DATABASE_URL"}, "database-url",
 		"PostgreSQL connection `string` (URL or key=value; its password is never shown) [DATABASE_URL]")
 	fs.StringVar(&d.schema, "schema", c.envOr("ONCEFLOW_SCHEMA", pgsql.DefaultSchema), "schema holding the onceflow tables [ONCEFLOW_SCHEMA]")
 	return d
@@ -122,6 +122,8 @@ type dsnValue struct {
 	s       *string
 	secrets *secrets
 	warn    io.Writer // where a password in the flag is warned about
+	flag    string    // the flag's name and its variable, for the warning
+	env     string
 }
 
 func (v *dsnValue) String() string {
@@ -138,8 +140,8 @@ func (v *dsnValue) Set(s string) error {
 	// (ps, /proc/PID/cmdline) for as long as the process runs: relay, status --watch,
 	// cleanup --every and ui run for days.
 	if v.warn != nil && pgsql.RedactDSN(s) != s {
-		fmt.Fprintln(v.warn, "onceflow: warning: --database-url carries a password, which ps shows to every user of this host "+
-			"while the command runs; pass the URL without it and set PGPASSWORD or ~/.pgpass, or put the whole URL in DATABASE_URL")
+		fmt.Fprintln(v.warn, "onceflow: warning: "+v.flag+" carries a password, which ps shows to every user of this host "+
+			"while the command runs; pass the URL without it and set PGPASSWORD or ~/.pgpass, or put the whole URL in "+v.env)
 	}
 	return nil
 }
