@@ -341,10 +341,10 @@ func (o *Orchestrator) Run(ctx context.Context) error {
 				since = time.Now()
 			}
 			wait = failure.Backoff(o.cfg.TimerInterval, max(runBackoffCap, o.cfg.TimerInterval), failures)
-			o.cfg.Logger.Error("saga: firing due timers failed; backing off before the next round",
+			o.cfg.Logger.Error("saga: a round of parked replies and due timers failed; backing off before the next round",
 				"err", err, "retry_in", wait, "failures", failures)
 		case failures > 0:
-			o.cfg.Logger.Info("saga: firing due timers works again", "failures", failures,
+			o.cfg.Logger.Info("saga: parked replies and due timers work again", "failures", failures,
 				"failing_for", time.Since(since).Round(time.Millisecond))
 			failures = 0
 		}

@@ -105,7 +105,13 @@ func (o *Orchestrator) registered() versions {
 // saga_parked table missing from an unmigrated schema must not stop the timers).
 func (o *Orchestrator) round(ctx context.Context) error {
 	_, err := o.RedriveParked(ctx)
-	return errors.Join(err, o.fireAll(ctx))
+	if err != nil {
+		err = fmt.Errorf("re-driving parked replies: %w", err)
+	}
+	if ferr := o.fireAll(ctx); ferr != nil {
+		err = errors.Join(err, fmt.Errorf("firing due timers: %w", ferr))
+	}
+	return err
 }
 
 // parkedReply is a reply parked by this transaction.
