@@ -25,7 +25,9 @@ import (
 	"html/template"
 	"io/fs"
 	"log/slog"
+	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -64,6 +66,14 @@ type Config struct {
 	Refresh time.Duration
 	// Logger receives one line per action (who, what, outcome). Default slog.Default().
 	Logger *slog.Logger
+	// Hosts are the Host header values the console answers: "host" (any port) or
+	// "host:port", e.g. "ops.example.com" behind a reverse proxy that passes the Host on. A
+	// request for another host gets 421 and a log line, so a page of another site that
+	// rebinds its DNS name to the console's address (DNS rebinding) reads and posts nothing.
+	// Default none: every host, for a console mounted in a service whose router and
+	// credential check come first; set it whenever the console answers without a credential
+	// (`onceflow ui` sets its listen address and localhost).
+	Hosts []string
 	// Sagas are the saga definitions the service runs (any *saga.Definition[D]), if the
 	// console is mounted where they are at hand: with a saga's definition the console refuses
 	// to compensate a saga past its pivot up front, instead of filing a request the
@@ -86,6 +96,12 @@ func (c *Config) validate() error {
 	c.Prefix = strings.TrimSuffix(c.Prefix, "/")
 	if c.Prefix != "" && (!strings.HasPrefix(c.Prefix, "/") || strings.ContainsAny(c.Prefix, "?#\"'<> ")) {
 		problems = append(problems, fmt.Sprintf("Prefix %q is not a path like /ops", c.Prefix))
+	}
+	for i, h := range c.Hosts {
+		c.Hosts[i] = strings.ToLower(h)
+		if h == "" || strings.ContainsAny(h, "/?#@ \t") {
+			problems = append(problems, fmt.Sprintf("Hosts[%d] %q is not a host name or host:port like ops.example.com or 127.0.0.1:8080", i, h))
+		}
 	}
 	if c.Thresholds == (Thresholds{}) {
 		c.Thresholds = DefaultThresholds()
@@ -182,8 +198,17 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	h.Set("Content-Security-Policy", "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 	h.Set("X-Content-Type-Options", "nosniff")
 	h.Set("X-Frame-Options", "DENY")
-	h.Set("Referrer-Policy", "no-referrer")
+	// same-origin, not no-referrer: under no-referrer a browser posts the console's own forms
+	// with "Origin: null", which checkPost must refuse.
+	h.Set("Referrer-Policy", "same-origin")
 	h.Set("Cache-Control", "no-store")
+	if !c.servesHost(r.Host) {
+		c.cfg.Logger.Warn("console: request for a host this console does not serve refused (Config.Hosts, onceflow ui --host)",
+			"host", r.Host, "method", r.Method, "path", r.URL.Path, "remote", r.RemoteAddr)
+		http.Error(w, "421 misdirected request: this console does not serve the host "+strconv.Quote(r.Host)+
+			"; its operator can add the name with onceflow ui --host (console.Config.Hosts)", http.StatusMisdirectedRequest)
+		return
+	}
 	path := r.URL.Path
 	if c.cfg.Prefix != "" {
 		if path != c.cfg.Prefix && !strings.HasPrefix(path, c.cfg.Prefix+"/") {
@@ -251,4 +276,23 @@ func (c *Console) failErr(w http.ResponseWriter, r *http.Request, err error) {
 
 func (c *Console) fail(w http.ResponseWriter, r *http.Request, status int, msg string) {
 	c.render(w, r, status, "error", map[string]any{"Status": status, "StatusText": http.StatusText(status), "Message": msg})
+}
+
+// servesHost reports whether host (a request's Host header) is one of Config.Hosts: an entry
+// without a port matches the host at any port.
+func (c *Console) servesHost(host string) bool {
+	if len(c.cfg.Hosts) == 0 {
+		return true
+	}
+	host = strings.ToLower(host)
+	name := host
+	if h, _, err := net.SplitHostPort(host); err == nil {
+		name = h
+	}
+	for _, want := range c.cfg.Hosts {
+		if want == host || strings.Trim(want, "[]") == name {
+			return true
+		}
+	}
+	return false
 }

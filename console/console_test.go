@@ -198,6 +198,8 @@ func TestCSRFAndActionLog(t *testing.T) {
 	b.post(path, url.Values{}).expect(t, "POST without token", http.StatusForbidden, "CSRF token")
 	b.post(path, url.Values{"csrf": {strings.Repeat("ab", 32)}}).expect(t, "POST with another token", http.StatusForbidden, "CSRF token")
 	b.post(path, url.Values{"csrf": {tok}}, "Origin", "https://evil.example").expect(t, "POST from another site", http.StatusForbidden, "another site")
+	b.post(path, url.Values{"csrf": {tok}}, "Origin", "null").expect(t, "POST with Origin: null", http.StatusForbidden, "without its origin")
+	b.post(path, url.Values{"csrf": {tok}}, "Origin", "").expect(t, "POST without Origin", http.StatusForbidden, "without its origin")
 	stranger := newBrowser(t, srv) // no cookie: a forged form on another site
 	stranger.post(path, url.Values{"csrf": {tok}}).expect(t, "POST without the cookie", http.StatusForbidden, "CSRF token")
 	if after := snapshot(t, db); after != before {

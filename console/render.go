@@ -10,6 +10,7 @@ import (
 	"html/template"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -120,11 +121,17 @@ func (c *Console) checkPost(w http.ResponseWriter, r *http.Request) bool {
 		c.fail(w, r, http.StatusForbidden, "Refused: the form's CSRF token is missing or does not match. Reload the page and submit it again.")
 		return false
 	}
-	if o := r.Header.Get("Origin"); o != "" && o != "null" {
-		if u, err := url.Parse(o); err != nil || u.Host != r.Host {
-			c.fail(w, r, http.StatusForbidden, "Refused: the form was posted from another site.")
-			return false
+	// A browser sends Origin with every POST. Missing (not a browser, or one that hides it)
+	// or "null" (a sandboxed frame, a data: URL, a redirect across sites) says nothing about
+	// where the form came from: refused, so the double-submit cookie is bound to this site.
+	o := r.Header.Get("Origin")
+	if u, err := url.Parse(o); o == "" || o == "null" || err != nil || !strings.EqualFold(u.Host, r.Host) {
+		what := "from another site"
+		if o == "" || o == "null" {
+			what = "without its origin (Origin: " + strconv.Quote(o) + "); post it from the console's own page"
 		}
+		c.fail(w, r, http.StatusForbidden, "Refused: the form was posted "+what+".")
+		return false
 	}
 	return true
 }

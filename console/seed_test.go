@@ -197,7 +197,13 @@ func (b *browser) post(path string, form url.Values, header ...string) page {
 	b.t.Helper()
 	req, _ := http.NewRequest(http.MethodPost, b.srv.URL+path, strings.NewReader(form.Encode()))
 	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	// As a browser posting the console's own form; header pairs override it ("" removes).
+	req.Header.Set("Origin", b.srv.URL)
 	for i := 0; i+1 < len(header); i += 2 {
+		if header[i+1] == "" {
+			req.Header.Del(header[i])
+			continue
+		}
 		req.Header.Set(header[i], header[i+1])
 	}
 	resp, err := b.c.Do(req)

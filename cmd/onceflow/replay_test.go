@@ -267,10 +267,17 @@ func (b *webClient) get(t *testing.T, u string) string {
 	return string(body)
 }
 
-// post submits a form and follows the redirect; it returns the final status and page.
+// post submits a form, as a browser on the console's page does (with its Origin), and
+// follows the redirect; it returns the final status and page.
 func (b *webClient) post(t *testing.T, u string, form url.Values) (int, string) {
 	t.Helper()
-	resp, err := b.c.PostForm(u, form)
+	req, err := http.NewRequest(http.MethodPost, u, strings.NewReader(form.Encode()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Origin", "http://"+req.URL.Host)
+	resp, err := b.c.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -7,6 +7,8 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/onceflow/onceflow/console"
@@ -25,7 +27,12 @@ Credentials come from the environment, never from flags (flags show in ps):
   ONCEFLOW_UI_TOKEN                          "Authorization: Bearer <token>" (or as the basic-auth password)
 Without them the console serves only a loopback address (127.0.0.1, ::1, localhost), for an
 SSH tunnel or a kubectl port-forward; any other address is refused. Serve it over TLS (a
-reverse proxy) when it leaves the host.`
+reverse proxy) when it leaves the host.
+
+It answers only requests for the hosts it serves (the Host header): its listen address,
+localhost on a loopback address, the machine's addresses when it listens on all of them, and
+the names given with --host (the name a reverse proxy passes on). Others get 421: a page of
+another site that rebinds its name to this address (DNS rebinding) reads and posts nothing.`
 
 func (c *cli) runUI(ctx context.Context, args []string) error {
 	fs := c.newFlagSet("ui", uiSynopsis)
@@ -33,6 +40,8 @@ func (c *cli) runUI(ctx context.Context, args []string) error {
 	addr := fs.String("addr", c.envOr("ONCEFLOW_UI_ADDR", "127.0.0.1:8080"), "listen `address`; a non-loopback one needs a credential [ONCEFLOW_UI_ADDR]")
 	actions := fs.Bool("actions", false, "switch on the buttons that change something (default: read-only)")
 	refresh := fs.Duration("refresh", 10*time.Second, "how often the overview reloads itself (0: never)")
+	extraHosts := fs.String("host", c.envOr("ONCEFLOW_UI_HOSTS", ""),
+		"comma-separated host names (or host:port) it also answers, e.g. the name a reverse proxy passes on as Host [ONCEFLOW_UI_HOSTS]")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
@@ -55,25 +64,36 @@ func (c *cli) runUI(ctx context.Context, args []string) error {
 	if r == 0 {
 		r = -1 // console.Config: negative is never, 0 the default
 	}
+	var named []string
+	for _, h := range strings.Split(*extraHosts, ",") {
+		if h = strings.TrimSpace(h); h != "" {
+			named = append(named, h)
+		}
+	}
 	pool, err := db.connectMigrated(ctx, "onceflow-ui")
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	logger := slog.New(slog.NewTextHandler(c.stderr, nil))
-	h, err := console.New(console.Config{DB: pool, Schema: db.schema, Actions: *actions, Refresh: r, Logger: logger})
+	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", *addr)
 	if err != nil {
 		return err
+	}
+	defer ln.Close()
+	hosts, err := servedHosts(host, ln.Addr().(*net.TCPAddr))
+	if err != nil {
+		return err
+	}
+	logger := slog.New(slog.NewTextHandler(c.stderr, nil))
+	h, err := console.New(console.Config{DB: pool, Schema: db.schema, Actions: *actions, Refresh: r, Logger: logger, Hosts: append(hosts, named...)})
+	if err != nil {
+		return fmt.Errorf("%w (--host)", err)
 	}
 	var handler http.Handler = h
 	if hasCreds {
 		if handler, err = console.RequireCredentials(h, creds); err != nil {
 			return fmt.Errorf("%w (set ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD together, or ONCEFLOW_UI_TOKEN)", err)
 		}
-	}
-	ln, err := (&net.ListenConfig{}).Listen(ctx, "tcp", *addr)
-	if err != nil {
-		return err
 	}
 	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: 30 * time.Second,
 		WriteTimeout: time.Minute, IdleTimeout: 2 * time.Minute, ErrorLog: slog.NewLogLogger(logger.Handler(), slog.LevelWarn)}
@@ -111,4 +131,31 @@ func isLoopback(host string) bool {
 	}
 	ip := net.ParseIP(host)
 	return ip != nil && ip.IsLoopback()
+}
+
+// servedHosts are the Host values a console listening at addr (asked for as host, e.g.
+// "localhost") answers: the address with its port; on a loopback address also localhost and
+// the loopback addresses; on all interfaces, the machine's addresses and localhost.
+func servedHosts(host string, addr *net.TCPAddr) ([]string, error) {
+	port := strconv.Itoa(addr.Port)
+	out := []string{net.JoinHostPort(addr.IP.String(), port)}
+	if host != "" {
+		out = append(out, net.JoinHostPort(host, port))
+	}
+	switch {
+	case addr.IP.IsLoopback():
+		out = append(out, net.JoinHostPort("localhost", port), net.JoinHostPort("127.0.0.1", port), net.JoinHostPort("::1", port))
+	case addr.IP.IsUnspecified():
+		addrs, err := net.InterfaceAddrs()
+		if err != nil {
+			return nil, fmt.Errorf("list this machine's addresses for the Host check: %w; listen on one address with --addr", err)
+		}
+		for _, a := range addrs {
+			if n, ok := a.(*net.IPNet); ok {
+				out = append(out, net.JoinHostPort(n.IP.String(), port))
+			}
+		}
+		out = append(out, net.JoinHostPort("localhost", port))
+	}
+	return out, nil
 }

@@ -68,6 +68,23 @@ func TestUICommand(t *testing.T) {
 	if strings.Contains(body, db.URL) {
 		t.Error("the overview shows the connection string")
 	}
+	// DNS rebinding: another site's name for this address is refused; localhost is served.
+	port := u[strings.LastIndex(u, ":")+1 : len(u)-1]
+	if code, _ := get(t, u, func(r *http.Request) { r.Host = "rebind.attacker.example:" + port }); code != http.StatusMisdirectedRequest {
+		t.Errorf("GET for another site's host: %d, want 421", code)
+	}
+	if code, _ := get(t, u, func(r *http.Request) { r.Host = "localhost:" + port }); code != http.StatusOK {
+		t.Errorf("GET for localhost: %d, want 200", code)
+	}
+	// Behind a reverse proxy: the name it passes on is served once given with --host.
+	u = startUI(t, env, "--addr", "127.0.0.1:0", "--host", "ops.example.com")
+	if code, _ := get(t, u, func(r *http.Request) { r.Host = "ops.example.com" }); code != http.StatusOK {
+		t.Errorf("GET for a --host name: %d, want 200", code)
+	}
+	if code, _ := get(t, u, func(r *http.Request) { r.Host = "other.example.com" }); code != http.StatusMisdirectedRequest {
+		t.Errorf("GET for a name not given: %d, want 421", code)
+	}
+	runCmd(context.Background(), env, "ui", "--addr", "127.0.0.1:0", "--host", "http://ops.example.com/").expect(t, "ui with a URL as --host", 1)
 
 	r := runCmd(context.Background(), env, "ui", "--addr", "0.0.0.0:0").expect(t, "ui on every interface without a credential", 1)
 	if !strings.Contains(r.stderr, "ONCEFLOW_UI_TOKEN") || !strings.Contains(r.stderr, "127.0.0.1") {

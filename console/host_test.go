@@ -1,0 +1,74 @@
+package console_test
+
+import (
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"testing"
+
+	"github.com/onceflow/onceflow/console"
+	"github.com/onceflow/onceflow/internal/testdb"
+)
+
+// DNS rebinding: a page of another site whose name resolves to the console's address sends
+// its own name as Host. The console answers only the hosts it serves, GET and POST alike, so
+// the page reads no CSRF token and no data, and its posts change nothing.
+func TestHostRule(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	s := seed(t, db)
+	logs := &logBuffer{}
+	h, err := console.New(console.Config{DB: db.Pool, Schema: db.Schema, Actions: true, Prefix: "/ops",
+		Hosts: []string{"127.0.0.1", "LocalHost"}, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	port := srv.URL[strings.LastIndex(srv.URL, ":")+1:]
+	do := func(method, host, path, origin string, form url.Values) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest(method, srv.URL+path, strings.NewReader(form.Encode()))
+		req.Host = host
+		if origin != "" {
+			req.Header.Set("Origin", origin)
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(body)
+	}
+	before := snapshot(t, db)
+	evil := "rebind.attacker.example:" + port
+	for _, path := range []string{"/ops/", "/ops/sagas/" + s.stuck, "/ops/sagas/" + s.stuck + "/retry", "/ops/idempotency?owner=orders-api&key=key-1"} {
+		if code, body := do(http.MethodGet, evil, path, "", nil); code != http.StatusMisdirectedRequest || strings.Contains(body, "csrf") || strings.Contains(body, s.stuck) {
+			t.Errorf("GET %s for host %s: %d\n%s", path, evil, code, body)
+		}
+	}
+	code, body := do(http.MethodPost, evil, "/ops/sagas/"+s.stuck+"/retry", "http://"+evil, url.Values{"csrf": {strings.Repeat("ab", 32)}})
+	if code != http.StatusMisdirectedRequest || !strings.Contains(body, "onceflow ui --host") {
+		t.Errorf("POST for host %s: %d\n%s", evil, code, body)
+	}
+	if after := snapshot(t, db); after != before {
+		t.Fatalf("requests for another host changed the database:\nbefore %s\nafter  %s", before, after)
+	}
+	if l := logs.String(); !strings.Contains(l, "host=rebind.attacker.example:"+port) || !strings.Contains(l, "does not serve") {
+		t.Errorf("no log line for the refused host:\n%s", l)
+	}
+	// The hosts it serves, at any port, in any case.
+	for _, host := range []string{"127.0.0.1:" + port, "localhost:" + port, "LOCALHOST:" + port} {
+		if code, body := do(http.MethodGet, host, "/ops/", "", nil); code != http.StatusOK {
+			t.Errorf("GET for host %s: %d\n%s", host, code, body)
+		}
+	}
+	if _, err := console.New(console.Config{DB: db.Pool, Hosts: []string{"http://ops.example.com/"}}); err == nil || !strings.Contains(err.Error(), "is not a host name") {
+		t.Errorf("a URL as a host: %v", err)
+	}
+}
