@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"html"
 	"io"
 	"log/slog"
 	"net/http"
@@ -424,16 +425,24 @@ func TestBulkActions(t *testing.T) {
 	if after := snapshot(t, db); after != before {
 		t.Fatalf("a refused bulk action changed the database")
 	}
-	b.post("/ops/bulk/sagas/retry", url.Values{"csrf": {conf.csrf(t)}, "state": {"stuck"}}).
-		expect(t, "bulk retry", http.StatusOK, `id="bulk-result">Retry: 2 of 2 sagas requested`)
+	b.post("/ops/bulk/sagas/retry", url.Values{"csrf": {conf.csrf(t)}, "state": {"stuck"}}).expect(t, "bulk POST without the ids shown", http.StatusBadRequest, "names 0 sagas")
+	// An id that was never listed under this filter is skipped with the reason, not acted on.
+	b.post("/ops/bulk/sagas/retry", url.Values{"csrf": {conf.csrf(t)}, "state": {"stuck"}, "saga": {s.running}}).
+		expect(t, "bulk retry of a saga the filter does not match", http.StatusOK, "requested for 0 of the 1 sagas shown, 1 skipped", s.running+": saga: the request does not apply to the saga&#39;s state: the saga no longer matches the filter: saga &#34;"+s.running+"&#34; is running now, not stuck")
+	if after := snapshot(t, db); after != before {
+		t.Fatalf("a skipped bulk action changed the database")
+	}
+	b.post("/ops/bulk/sagas/retry", url.Values{"csrf": {conf.csrf(t)}, "state": {"stuck"}, "saga": postedIDs(conf)}).
+		expect(t, "bulk retry", http.StatusOK, `id="bulk-result">Retry: requested for 2 of the 2 sagas shown, 0 skipped`)
 	var n int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Table("saga_timer")+` WHERE kind = 'operator' AND action = 'retry'`).Scan(&n); err != nil || n != 2 {
 		t.Fatalf("%d retry requests filed (%v), want 2", n, err)
 	}
 	// Compensate every checkout saga: only the running one applies; the others are refused,
 	// each with its reason.
-	b.post("/ops/bulk/sagas/compensate", url.Values{"csrf": {conf.csrf(t)}, "name": {"checkout"}}).
-		expect(t, "bulk compensate", http.StatusOK, "Compensate: 1 of 6 sagas requested", s.completed+": saga: the request does not apply")
+	comp := b.get("/ops/bulk/sagas/compensate?name=checkout").expect(t, "bulk compensate dry run", http.StatusOK, `Dry run: <b>6</b> match`)
+	b.post("/ops/bulk/sagas/compensate", url.Values{"csrf": {comp.csrf(t)}, "name": {"checkout"}, "saga": postedIDs(comp)}).
+		expect(t, "bulk compensate", http.StatusOK, "Compensate: requested for 1 of the 6 sagas shown, 5 skipped", s.completed+": saga: the request does not apply")
 	if !strings.Contains(logs.String(), `action="saga bulk retry"`) || !strings.Contains(logs.String(), "requested=2") {
 		t.Errorf("action log:\n%s", logs.String())
 	}
@@ -525,4 +534,15 @@ func TestReplayPoisonFromConsole(t *testing.T) {
 	b.get("/ops/inbox/replay?consumer=orchestrator").expect(t, "bulk replay of saga rows", http.StatusOK, `id="refusal"`, "onceflow saga retry s-9")
 	b.get("/ops/inbox/0/replay").expect(t, "a bad id", http.StatusBadRequest, "not a poison row id")
 	b.get("/ops/inbox?consumer=orchestrator").expect(t, "inbox page", http.StatusOK, `id="replay-filter" href="/ops/inbox/replay?consumer=orchestrator"`)
+}
+
+var postedID = regexp.MustCompile(`<input type="hidden" name="saga" value="([^"]*)">`)
+
+// postedIDs are the saga ids a confirmation form posts (unescaped).
+func postedIDs(p page) []string {
+	var ids []string
+	for _, m := range postedID.FindAllStringSubmatch(p.body, -1) {
+		ids = append(ids, html.UnescapeString(m[1]))
+	}
+	return ids
 }

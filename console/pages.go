@@ -256,6 +256,9 @@ type confirmData struct {
 	IDs     []string
 	More    bool // Count is capped: more match
 	Takes   bool // the action takes only IDs, though more match
+	// PostIDs are posted with the form (as "saga"; "id" is the filter's id prefix): the
+	// action applies to these, and only while each still matches the filter.
+	PostIDs []string
 }
 
 func (c *Console) sagaConfirm(w http.ResponseWriter, r *http.Request) {
@@ -349,14 +352,15 @@ func (c *Console) bulkConfirm(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	res, err := c.bulk(r, action, f, true)
+	res, err := c.bulk(r, action, f, true, nil)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
 	v := confirmData{Title: act.title + " the selected sagas", Action: c.link("/bulk/sagas/" + action), Back: c.link("/sagas") + "?" + r.URL.RawQuery,
-		Effect: act.title + " " + act.effect + " It is filed for each selected saga in its own transaction; a saga it does not apply to is reported and left alone.",
-		Hidden: p, Count: int64(len(res.Matched)), IDs: res.Matched, More: res.More, Takes: res.More}
+		Effect: act.title + " " + act.effect + " It is filed for each saga listed here, in its own transaction, and only if the saga still matches the filter then: " +
+			"one that moved on since, or started since, is left alone, and the result says which.",
+		Hidden: p, Count: int64(len(res.Matched)), IDs: res.Matched, More: res.More, Takes: res.More, PostIDs: res.Matched}
 	if len(res.Matched) == 0 {
 		v.Refusal = "No saga matches this filter: there is nothing to " + action + "."
 	}
@@ -378,13 +382,25 @@ func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	res, err := c.bulk(r, action, f, false)
+	ids := r.PostForm["saga"]
+	if len(ids) == 0 || len(ids) > bulkLimit {
+		c.failErr(w, r, badInput("the form names %d sagas; a bulk action takes the 1 to %d its dry run listed", len(ids), bulkLimit))
+		return
+	}
+	for _, id := range ids {
+		if err := checkText("a saga id", id); err != nil {
+			c.failErr(w, r, err)
+			return
+		}
+	}
+	res, err := c.bulk(r, action, f, false, ids)
 	c.logAction(r, "saga bulk "+action, err, "filter", p, "requested", len(res.Requested), "refused", len(res.Refused), "saga_ids", res.Requested)
 	if err != nil && len(res.Requested) == 0 {
 		c.failErr(w, r, err)
 		return
 	}
-	v := bulkData{Title: act.title + ": " + strconv.Itoa(len(res.Requested)) + " of " + strconv.Itoa(len(res.Matched)) + " sagas requested",
+	v := bulkData{Title: act.title + ": requested for " + strconv.Itoa(len(res.Requested)) + " of the " + strconv.Itoa(len(res.Matched)) +
+		" sagas shown, " + strconv.Itoa(len(res.Refused)) + " skipped",
 		Action: action, Result: res, Back: c.link("/sagas") + query("state", p["state"], "name", p["name"])}
 	for _, rf := range res.Refused {
 		v.Refusals = append(v.Refusals, rf.ID+": "+rf.Err.Error())
@@ -395,8 +411,8 @@ func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) {
 	c.render(w, r, http.StatusOK, "bulk", v)
 }
 
-func (c *Console) bulk(r *http.Request, action string, f saga.ListFilter, dry bool) (saga.BulkResult, error) {
-	o := saga.BulkOptions{DryRun: dry, Limit: bulkLimit}
+func (c *Console) bulk(r *http.Request, action string, f saga.ListFilter, dry bool, ids []string) (saga.BulkResult, error) {
+	o := saga.BulkOptions{DryRun: dry, Limit: bulkLimit, IDs: ids}
 	if action == "retry" {
 		return c.sagas.RetryMatching(r.Context(), c.cfg.DB, f, o)
 	}

@@ -84,7 +84,7 @@ func (c *Console) upgradeAction(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	ids := r.PostForm["id"]
+	ids := r.PostForm["saga"]
 	if len(ids) == 0 || len(ids) > bulkLimit {
 		c.failErr(w, r, badInput("the form names %d sagas; an upgrade takes 1 to %d, as the dry run lists them", len(ids), bulkLimit))
 		return

@@ -71,7 +71,7 @@ func TestUpgradePage(t *testing.T) {
 		`<table id="boundary">`, `>order-boundary</a></td><td>charge</td>`,
 		`<td>charge</td><td>reserve → reserve-stock (done); charge (running)</td>`, `&#34;currency&#34;: &#34;EUR&#34;`,
 		s.running+`: it waits for the reply to step charge`, s.stuck+`: it is stuck compensating step reserve`,
-		`name="id" value="order-boundary"`, `File upgrade requests for the sagas above (1)`)
+		`name="saga" value="order-boundary"`, `File upgrade requests for the sagas above (1)`)
 	if strings.Contains(dry.body, refund) {
 		t.Errorf("the dry run of checkout lists a refund saga:\n%s", dry.body)
 	}
@@ -79,7 +79,7 @@ func TestUpgradePage(t *testing.T) {
 		t.Fatalf("the dry run filed %d requests", n)
 	}
 
-	b.post("/ops/versions/checkout/1/upgrade", url.Values{"csrf": {dry.csrf(t)}, "id": {checkout, refund}}).expect(t, "upgrade", http.StatusOK,
+	b.post("/ops/versions/checkout/1/upgrade", url.Values{"csrf": {dry.csrf(t)}, "saga": {checkout, refund}}).expect(t, "upgrade", http.StatusOK,
 		`id="filed">1 of 2 upgrade requests filed`, `>order-boundary</a></li>`, refund+`: it is a refund saga, not checkout`)
 	if n := countRows(t, db, `SELECT count(*) FROM `+db.Table("saga_timer")+` WHERE kind = 'operator' AND action = 'upgrade' AND saga_id = '`+checkout+`' AND step = 1`); n != 1 {
 		t.Errorf("%d upgrade requests filed for %s, want 1", n, checkout)
@@ -94,7 +94,7 @@ func TestUpgradePage(t *testing.T) {
 	// Bad input is refused and files nothing.
 	tok := dry.csrf(t)
 	b.post("/ops/versions/checkout/1/upgrade", url.Values{"csrf": {tok}}).expect(t, "no ids", http.StatusBadRequest, "1 to 100")
-	b.post("/ops/versions/checkout/x/upgrade", url.Values{"csrf": {tok}, "id": {checkout}}).expect(t, "bad version", http.StatusBadRequest, "not a positive number")
+	b.post("/ops/versions/checkout/x/upgrade", url.Values{"csrf": {tok}, "saga": {checkout}}).expect(t, "bad version", http.StatusBadRequest, "not a positive number")
 	b.get("/ops/versions/checkout/1/upgrade?to=1").expect(t, "bad target", http.StatusBadRequest, "not a number above 1")
 	b.get("/ops/versions/nothing/1/upgrade").expect(t, "no sagas", http.StatusOK, `No saga of nothing version 1 is unfinished`)
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -382,12 +383,15 @@ var ErrWrongState = errors.New("saga: the request does not apply to the saga's s
 // Get's Wait.Phase says which. Fix the cause first (the error is in Get's Error and the
 // step's LastError).
 func (a *Admin) RetryTx(ctx context.Context, tx pgx.Tx, id string) error {
-	return a.request(ctx, tx, id, actRetry, func(in *instance) error {
-		if in.State != StateStuck {
-			return fmt.Errorf("%w: saga %q is %s; only a stuck saga can be retried", ErrWrongState, id, in.State)
-		}
-		return nil
-	})
+	return a.request(ctx, tx, id, actRetry, a.canRetry)
+}
+
+// canRetry refuses a retry of a saga that is not stuck.
+func (a *Admin) canRetry(in *instance) error {
+	if in.State != StateStuck {
+		return fmt.Errorf("%w: saga %q is %s; only a stuck saga can be retried", ErrWrongState, in.ID, in.State)
+	}
+	return nil
 }
 
 // ErrPastPivot is returned by CompensateTx for a saga on or past its pivot step: it can only
@@ -401,20 +405,23 @@ var ErrPastPivot = fmt.Errorf("%w: the saga is past its pivot", ErrWrongState)
 // saga started since that was added); for older sagas the orchestrator drops the request (and
 // logs it).
 func (a *Admin) CompensateTx(ctx context.Context, tx pgx.Tx, id string) error {
-	return a.request(ctx, tx, id, actCompensate, func(in *instance) error {
-		if in.State != StateRunning {
-			return fmt.Errorf("%w: saga %q is %s; only a running saga can be compensated", ErrWrongState, id, in.State)
-		}
-		p := recordedPivot(in) // sagas started since the pivot is recorded with them
-		if d, ok := a.defs[knownKey{in.Name, in.Version}]; ok {
-			p = d.pivotIndex()
-		}
-		if p >= 0 && p < len(in.Steps) && in.Step >= p {
-			return fmt.Errorf("%w: saga %q is at step %q, on or after its pivot %q, and can only go forward; "+
-				"a compensation would be dropped (fix what blocks the step instead)", ErrPastPivot, id, in.Steps[in.Step].Name, in.Steps[p].Name)
-		}
-		return nil
-	})
+	return a.request(ctx, tx, id, actCompensate, a.canCompensate)
+}
+
+// canCompensate refuses a compensation of a saga that is not running or is past its pivot.
+func (a *Admin) canCompensate(in *instance) error {
+	if in.State != StateRunning {
+		return fmt.Errorf("%w: saga %q is %s; only a running saga can be compensated", ErrWrongState, in.ID, in.State)
+	}
+	p := recordedPivot(in) // sagas started since the pivot is recorded with them
+	if d, ok := a.defs[knownKey{in.Name, in.Version}]; ok {
+		p = d.pivotIndex()
+	}
+	if p >= 0 && p < len(in.Steps) && in.Step >= p {
+		return fmt.Errorf("%w: saga %q is at step %q, on or after its pivot %q, and can only go forward; "+
+			"a compensation would be dropped (fix what blocks the step instead)", ErrPastPivot, in.ID, in.Steps[in.Step].Name, in.Steps[p].Name)
+	}
+	return nil
 }
 
 // recordedPivot is the index of the step the saga's history marks as its pivot, or −1.
@@ -480,6 +487,38 @@ type BulkOptions struct {
 	// Limit is the most sagas acted on (or listed) in one call: default 100, at most
 	// MaxBulkLimit. BulkResult.More says whether the filter selects more.
 	Limit int
+	// IDs, when set, are the sagas to act on — those a dry run listed and an operator
+	// confirmed — instead of what the filter selects now (at most Limit). Either way each
+	// saga is acted on only if it still matches the whole filter once its row is locked;
+	// one that moved on since it was listed is refused with ErrNoLongerMatches.
+	IDs []string
+}
+
+// ErrNoLongerMatches is the refusal of a saga a bulk request selected (or was given) that no
+// longer matches the request's filter when its row is locked: it moved on since it was
+// listed. Nothing is filed for it. It wraps ErrWrongState.
+var ErrNoLongerMatches = fmt.Errorf("%w: the saga no longer matches the filter", ErrWrongState)
+
+// mismatch says why in does not match f, as ListPage's query decides; "" when it does.
+func (f ListFilter) mismatch(in *instance) string {
+	s := summaryOf(in)
+	switch {
+	case f.State != "" && s.State != f.State:
+		return fmt.Sprintf("is %s now, not %s", s.State, f.State)
+	case f.Name != "" && s.Name != f.Name:
+		return fmt.Sprintf("is a %s saga, not %s", s.Name, f.Name)
+	case f.Version != 0 && s.Version != f.Version:
+		return fmt.Sprintf("runs version %d, not %d", s.Version, f.Version)
+	case f.Step != "" && s.Step != f.Step:
+		return fmt.Sprintf("is at step %s now, not %s", s.Step, f.Step)
+	case f.Error != "" && !strings.Contains(strings.ToLower(s.Error), strings.ToLower(f.Error)):
+		return fmt.Sprintf("has no error containing %q now", f.Error)
+	case f.IDPrefix != "" && !strings.HasPrefix(s.ID, f.IDPrefix):
+		return fmt.Sprintf("has no id starting with %q", f.IDPrefix)
+	case !f.StartedBefore.IsZero() && !s.CreatedAt.Before(f.StartedBefore):
+		return fmt.Sprintf("started at %s, not before %s", s.CreatedAt.UTC().Format(time.RFC3339), f.StartedBefore.UTC().Format(time.RFC3339))
+	}
+	return ""
 }
 
 // MaxBulkLimit caps one bulk request: a larger recovery is several calls, each reported.
@@ -508,27 +547,33 @@ type BulkResult struct {
 // transaction, so each saga is requested or refused as a whole and one refusal stops
 // nothing else. f.After and f.Limit are ignored: o.Limit bounds the call.
 func (a *Admin) RetryMatching(ctx context.Context, db TxDB, f ListFilter, o BulkOptions) (BulkResult, error) {
-	return a.bulk(ctx, db, f, o, a.RetryTx)
+	return a.bulk(ctx, db, f, o, actRetry, a.canRetry)
 }
 
 // CompensateMatching files a compensation request (CompensateTx) for each saga f selects,
 // as RetryMatching does.
 func (a *Admin) CompensateMatching(ctx context.Context, db TxDB, f ListFilter, o BulkOptions) (BulkResult, error) {
-	return a.bulk(ctx, db, f, o, a.CompensateTx)
+	return a.bulk(ctx, db, f, o, actCompensate, a.canCompensate)
 }
 
-func (a *Admin) bulk(ctx context.Context, db TxDB, f ListFilter, o BulkOptions, request func(context.Context, pgx.Tx, string) error) (BulkResult, error) {
+func (a *Admin) bulk(ctx context.Context, db TxDB, f ListFilter, o BulkOptions, action string, check func(*instance) error) (BulkResult, error) {
 	var res BulkResult
 	switch {
 	case o.Limit == 0:
 		o.Limit = 100
 	case o.Limit < 0 || o.Limit > MaxBulkLimit:
 		return res, fmt.Errorf("%w: limit %d is not between 1 and %d", ErrBadFilter, o.Limit, MaxBulkLimit)
+	case len(o.IDs) > o.Limit:
+		return res, fmt.Errorf("%w: %d ids given, more than the limit %d", ErrBadFilter, len(o.IDs), o.Limit)
 	}
 	// Select first, in pages (each bounded by the keyset indexes), then act: the selection is
-	// what the filter matched when the call began, and acting does not move the pages.
+	// what the filter matched when the call began (or the ids given, what it matched when
+	// they were listed), and acting does not move the pages.
 	f.After = ""
-	for len(res.Matched) < o.Limit {
+	if len(o.IDs) > 0 {
+		res.Matched = slices.Clone(o.IDs)
+	}
+	for len(o.IDs) == 0 && len(res.Matched) < o.Limit {
 		f.Limit = min(MaxListLimit, o.Limit-len(res.Matched)+1)
 		p, err := a.ListPage(ctx, db, f)
 		if err != nil {
@@ -549,8 +594,15 @@ func (a *Admin) bulk(ctx context.Context, db TxDB, f ListFilter, o BulkOptions, 
 	if o.DryRun {
 		return res, nil
 	}
+	// Under the saga's row lock, the whole filter again, then the request's own check.
+	checkAll := func(in *instance) error {
+		if why := f.mismatch(in); why != "" {
+			return fmt.Errorf("%w: saga %q %s", ErrNoLongerMatches, in.ID, why)
+		}
+		return check(in)
+	}
 	for _, id := range res.Matched {
-		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return request(ctx, tx, id) })
+		err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error { return a.request(ctx, tx, id, action, checkAll) })
 		switch {
 		case err == nil:
 			res.Requested = append(res.Requested, id)
