@@ -34,7 +34,8 @@ func TestPages(t *testing.T) {
 		want []string
 	}{
 		{"/ops/", []string{`id="verdict" class="stuck">STUCK`, "2 sagas stuck", `<b id="stuck">2</b>`, `<b id="parked">1</b>`, "relay-a", "projection",
-			`href="/ops/sagas?name=checkout&amp;state=stuck"`, `<meta http-equiv="refresh" content="10">`}},
+			`href="/ops/sagas?name=checkout&amp;state=stuck"`, `<meta http-equiv="refresh" content="10">`,
+			"1 row parked (over 0)", "1 inbox message given up as poison (over 0)"}},
 		{"/ops/sagas", []string{s.stuck, s.running, s.compensating, s.completed, s.compensated}},
 		{"/ops/sagas?state=stuck", []string{s.stuck, "stock service unavailable"}},
 		{"/ops/sagas?state=running&name=checkout&version=1&step=charge&older=30m&id=order-", []string{s.running}},

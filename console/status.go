@@ -314,13 +314,13 @@ func (r *Status) check() {
 		}
 	}
 	if r.Outbox.Pending > 0 && live == 0 {
-		add("%d rows pending and no live relay: start one (`onceflow relay --schema %s`)", r.Outbox.Pending, r.Schema)
+		add("%s pending and no live relay: start one (`onceflow relay --schema %s`)", count(r.Outbox.Pending, "row", "rows"), r.Schema)
 	}
 	if oldest > th.MaxOldest {
 		add("the oldest pending row (id %d) waits for %s (over %s): `onceflow outbox inspect --failing` shows refused rows, the relay logs say why", r.Outbox.OldestID, oldest.Round(time.Second), th.MaxOldest)
 	}
 	if r.Outbox.Parked > th.MaxParked {
-		add("%d rows parked (over %d): `onceflow outbox parked` shows why, `onceflow outbox replay` sends them again", r.Outbox.Parked, th.MaxParked)
+		add("%s parked (over %d): `onceflow outbox parked` shows why, `onceflow outbox replay` sends them again", count(r.Outbox.Parked, "row", "rows"), th.MaxParked)
 	}
 	for _, t := range r.Retention {
 		if t.Expired > th.MaxRetention {
@@ -368,8 +368,8 @@ func (r *Status) check() {
 		poison += p.Count
 	}
 	if poison > th.MaxPoison {
-		add("%d inbox messages given up as poison (over %d): `onceflow inbox poison` shows them and why; once the cause is fixed, "+
-			"`onceflow inbox poison replay --consumer <name>` applies them again", poison, th.MaxPoison)
+		add("%s given up as poison (over %d): `onceflow inbox poison` shows them and why; once the cause is fixed, "+
+			"`onceflow inbox poison replay --consumer <name>` applies them again", count(poison, "inbox message", "inbox messages"), th.MaxPoison)
 	}
 	for _, p := range r.InboxPoison {
 		wait := time.Duration(p.OldestRequestSeconds * float64(time.Second))
@@ -381,4 +381,12 @@ func (r *Status) check() {
 		}
 	}
 	r.OK = len(r.Problems) == 0
+}
+
+// count is "1 row", "2 rows".
+func count(n int64, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return fmt.Sprintf("%d %s", n, many)
 }

@@ -131,7 +131,7 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 		return fmt.Errorf("count the rows of %s.inbox_poison: %w", db.schema, err)
 	}
 	rows, err := pool.Query(ctx, `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, payload, state, replays, history
-		FROM `+table+` WHERE ($1 = '' OR consumer = $1) AND ($3 = 0 OR id < $3) ORDER BY id DESC LIMIT $2`, *consumer, *limit, *before)
+		FROM `+table+` WHERE ($1 = '' OR consumer = $1) AND ($3 = 0 OR id < $3) ORDER BY id DESC LIMIT $2`, *consumer, *limit+1, *before)
 	if err != nil {
 		return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
 	}
@@ -158,6 +158,12 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	if err := rows.Err(); err != nil {
 		return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
 	}
+	// One row more than the page tells whether a next page exists (the total counts the
+	// pages before --before too).
+	more := len(list) > *limit
+	if more {
+		list = list[:*limit]
+	}
 	if *asJSON {
 		b, _ := json.Marshal(list)
 		_, err := fmt.Fprintf(c.stdout, "%s\n", b)
@@ -178,10 +184,13 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 		p.f("%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", r.ID, r.Consumer, r.MessageUUID, r.Source, r.Attempts, r.State, fmtTime(r.FailedAt), shorten(r.Error, 100))
 	}
 	shown := ""
-	if int64(len(list)) < total {
+	switch {
+	case more:
 		shown = fmt.Sprintf(" (%d shown; --before %d lists the next page)", len(list), list[len(list)-1].ID)
+	case int64(len(list)) < total:
+		shown = fmt.Sprintf(" (%d shown: the last page)", len(list))
 	}
-	p.f("\n%d poison messages%s. Each has its dedup row: a redelivery is skipped.\n", total, shown)
+	p.f("\n%s%s. Each has its dedup row: a redelivery is skipped.\n", plural(int(total), "poison message"), shown)
 	p.f("--json shows the dedup key, metadata, payload and replay history;\n")
 	p.f("once the cause is fixed: onceflow inbox poison replay --id %d (or --consumer %s); once handled: onceflow inbox poison delete --id %d\n",
 		list[0].ID, list[0].Consumer, list[0].ID)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -71,6 +72,19 @@ func TestInboxPoisonCommands(t *testing.T) {
 	if !strings.Contains(r.stdout, second.UUID) || strings.Contains(r.stdout, first.UUID) || strings.Contains(r.stdout, third.UUID) ||
 		!strings.Contains(r.stdout, "2 poison messages (1 shown; --before ") {
 		t.Errorf("inbox poison --consumer billing --limit 1:\n%s", r.stdout)
+	}
+	// The next page is the last one: it says so, and offers no page after it.
+	next := regexp.MustCompile(`--before (\d+) lists`).FindStringSubmatch(r.stdout)
+	if next == nil {
+		t.Fatalf("no --before in:\n%s", r.stdout)
+	}
+	r = runCmd(ctx, env, "inbox", "poison", "--consumer", "billing", "--limit", "1", "--before", next[1]).expect(t, "inbox poison --before", 0)
+	if !strings.Contains(r.stdout, first.UUID) || !strings.Contains(r.stdout, "2 poison messages (1 shown: the last page)") || strings.Contains(r.stdout, "lists the next page") {
+		t.Errorf("the last page of inbox poison:\n%s", r.stdout)
+	}
+	r = runCmd(ctx, env, "inbox", "poison", "--consumer", "audit").expect(t, "inbox poison of one row", 0)
+	if !strings.Contains(r.stdout, "\n1 poison message. ") {
+		t.Errorf("one poison message:\n%s", r.stdout)
 	}
 
 	r = runCmd(ctx, env, "inbox", "poison", "list", "--json", "--consumer", "billing").expect(t, "inbox poison list --json", 0)

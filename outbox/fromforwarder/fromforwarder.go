@@ -15,8 +15,12 @@
 // the forwarder's subscriber does, so even a forwarder that was not stopped cannot publish a
 // row once it was moved, and Move never moves a row the forwarder acknowledged. A row the
 // forwarder published but did not acknowledge (killed between its publish and its ack) is
-// still pending in the table: Move moves it and the relay publishes it again, under the same
-// UUID — a duplicate, which a consumer behind onceflow's inbox skips, never a loss. Move still
+// still pending in the table: Move moves it and the relay publishes it again — never a loss.
+// Under its own UUID (a canonical, lower-case UUID) that is a duplicate a consumer behind
+// onceflow's inbox skips; a remapped row (below) goes out under its new event id, which the
+// inbox takes for a new message, so stop the forwarder cleanly (close its router, which waits
+// for the message in hand to be acknowledged) rather than kill it when its ids are not
+// canonical UUIDs. Move still
 // refuses to start while another session uses the forwarder's tables (see
 // ErrForwarderRunning), because rows split between the two paths would lose their order per
 // key across the switch.
