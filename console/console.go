@@ -34,6 +34,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
@@ -164,6 +165,7 @@ func (c *Console) routes() {
 	m.HandleFunc("GET /sagas/{id}/{action}", c.sagaConfirm)
 	m.HandleFunc("POST /sagas/{id}/{action}", c.sagaAction)
 	m.HandleFunc("GET /versions", c.versions)
+	m.HandleFunc("GET /audit", c.auditList)
 	m.HandleFunc("GET /versions/{name}/{version}/upgrade", c.upgradeConfirm)
 	m.HandleFunc("POST /versions/{name}/{version}/upgrade", c.upgradeAction)
 	m.HandleFunc("GET /bulk/sagas/{action}", c.bulkConfirm)
@@ -209,6 +211,8 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			"; its operator can add the name with onceflow ui --host (console.Config.Hosts)", http.StatusMisdirectedRequest)
 		return
 	}
+	// The Admin calls record operator actions with this name (package audit).
+	r = r.WithContext(audit.WithActor(r.Context(), userOf(r)))
 	path := r.URL.Path
 	if c.cfg.Prefix != "" {
 		if path != c.cfg.Prefix && !strings.HasPrefix(path, c.cfg.Prefix+"/") {

@@ -216,7 +216,10 @@ func TestCSRFAndActionLog(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, `SELECT action FROM `+db.Table("saga_timer")+` WHERE saga_id = $1 AND kind = 'operator'`, s.stuck).Scan(&action); err != nil || action != "retry" {
 		t.Fatalf("operator request after retry: %q, %v", action, err)
 	}
-	b.get("/ops/sagas/"+s.stuck+"?requested=retry").expect(t, "saga page after retry", http.StatusOK, `id="requested">Retry requested`)
+	b.get("/ops/sagas/"+s.stuck+"?requested=retry").expect(t, "saga page after retry", http.StatusOK, `id="requested">Retry requested`,
+		`<div id="audit">`, "<td>alice</td><td>saga retry</td>")
+	b.get("/ops/audit").expect(t, "audit trail", http.StatusOK, "<td>alice</td><td>saga retry</td>", `href="/ops/sagas/`+s.stuck+`"`, "<td>requested</td>",
+		`class="on">Audit</a>`)
 	if l := logs.String(); !strings.Contains(l, "user=alice") || !strings.Contains(l, `action="saga retry"`) || !strings.Contains(l, "saga_id="+s.stuck) {
 		t.Errorf("action log:\n%s", l)
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
@@ -132,17 +133,23 @@ func (c *Console) poisonOfPath(w http.ResponseWriter, r *http.Request) (id int64
 }
 
 func (c *Console) poisonPage(w http.ResponseWriter, r *http.Request) {
-	_, p, ok := c.poisonOfPath(w, r)
+	id, p, ok := c.poisonOfPath(w, r)
 	if !ok {
 		return
 	}
-	c.render(w, r, http.StatusOK, "poison", poisonData{poisonRow: p, Requested: r.URL.Query().Get("replayed") == "1"})
+	es, err := c.auditOf(r, strconv.FormatInt(id, 10), poisonAuditActions)
+	if err != nil {
+		c.failErr(w, r, err)
+		return
+	}
+	c.render(w, r, http.StatusOK, "poison", poisonData{poisonRow: p, Requested: r.URL.Query().Get("replayed") == "1", Audit: es})
 }
 
 // poisonData is a poison row's page.
 type poisonData struct {
 	*poisonRow
-	Requested bool // a replay was just requested
+	Requested bool          // a replay was just requested
+	Audit     []audit.Entry // operators' actions on the row, newest first
 }
 
 func (c *Console) poisonDeleteConfirm(w http.ResponseWriter, r *http.Request) {
@@ -155,7 +162,7 @@ func (c *Console) poisonDeleteConfirm(w http.ResponseWriter, r *http.Request) {
 		Title: "Delete poison row " + strconv.FormatInt(id, 10) + " of consumer " + p.Consumer,
 		Effect: "Delete removes the row from inbox_poison once the message is handled. Its dedup row stays, " +
 			"so a redelivery of the message is still skipped; nothing is re-applied.",
-		Action: back + "/delete", Back: back})
+		Action: back + "/delete", Back: back, Hidden: map[string]string{"consumer": p.Consumer}})
 }
 
 func (c *Console) poisonDelete(w http.ResponseWriter, r *http.Request) {
@@ -167,12 +174,16 @@ func (c *Console) poisonDelete(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	var consumer string
-	err = c.cfg.DB.QueryRow(r.Context(), `DELETE FROM `+pgsql.Table(c.cfg.Schema, "inbox_poison")+` WHERE id = $1 RETURNING consumer`, id).Scan(&consumer)
-	if errors.Is(err, pgx.ErrNoRows) {
-		err = badInput("there is no poison row %d (deleted already?); nothing was deleted", id)
-	}
-	c.logAction(r, "inbox poison delete", err, "poison_id", id, "consumer", consumer)
+	consumer := r.PostForm.Get("consumer") // the list to go back to
+	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
+		// The consumer too: the row the operator confirmed, not another one under its id.
+		deleted, err := inbox.DeletePoisonTx(r.Context(), tx, c.cfg.Schema, inbox.DeleteFilter{IDs: []int64{id}, Consumer: consumer})
+		if err == nil && len(deleted) == 0 {
+			err = badInput("there is no poison row %d (deleted already?); nothing was deleted", id)
+		}
+		return err
+	})
+	c.logAction(r, "inbox poison delete", err, "poison_id", id)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -239,13 +250,15 @@ func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	table := pgsql.Table(c.cfg.Schema, "inbox_poison")
-	tag, err := c.cfg.DB.Exec(r.Context(), `DELETE FROM `+table+` WHERE id IN (SELECT id FROM `+table+poisonWhere+` ORDER BY id LIMIT $3)`,
-		consumer, errText, poisonBulkCap)
-	n := tag.RowsAffected()
-	if err == nil && n == 0 {
-		err = badInput("no poison row of consumer %q matches; nothing was deleted", consumer)
-	}
+	var n int
+	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
+		deleted, err := inbox.DeletePoisonTx(r.Context(), tx, c.cfg.Schema, inbox.DeleteFilter{Consumer: consumer, ErrorContains: errText, Limit: poisonBulkCap})
+		n = len(deleted)
+		if err == nil && n == 0 {
+			err = badInput("no poison row of consumer %q matches; nothing was deleted", consumer)
+		}
+		return err
+	})
 	c.logAction(r, "inbox poison delete", err, "consumer", consumer, "error_contains", errText, "deleted", n)
 	if err != nil {
 		c.failErr(w, r, err)

@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
@@ -174,6 +175,7 @@ type sagaPageData struct {
 	CanComp   bool
 	PastPivot bool // on or past its pivot: it can only go forward
 	Barriers  []saga.Barrier
+	Audit     []audit.Entry // operators' actions on the saga, newest first
 }
 
 func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
@@ -194,6 +196,10 @@ func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
 	}
 	if past, _ := c.sagas.PastPivot(d); past {
 		v.CanComp, v.PastPivot = false, true
+	}
+	if v.Audit, err = c.auditOf(r, d.ID, sagaAuditActions); err != nil {
+		c.failErr(w, r, err)
+		return
 	}
 	// traceparent: version-traceid-spanid-flags.
 	if parts := strings.Split(d.TraceParent, "-"); len(parts) == 4 {

@@ -21,7 +21,7 @@ import (
 const csrfCookie = "onceflow_csrf"
 
 // pageNames are the templates in templates/, each rendered inside layout.html.
-var pageNames = []string{"error", "overview", "sagas", "saga", "confirm", "bulk", "outbox", "find", "parked", "inbox", "poison", "idempotency", "versions", "upgrade"}
+var pageNames = []string{"error", "overview", "sagas", "saga", "confirm", "bulk", "outbox", "find", "parked", "inbox", "poison", "idempotency", "versions", "upgrade", "audit"}
 
 func (c *Console) parseTemplates() error {
 	funcs := template.FuncMap{
@@ -39,7 +39,7 @@ func (c *Console) parseTemplates() error {
 		"bytesText": bytesText,
 	}
 	for _, name := range pageNames {
-		t, err := template.New("layout.html").Funcs(funcs).ParseFS(templateFS, "templates/layout.html", "templates/"+name+".html")
+		t, err := template.New("layout.html").Funcs(funcs).ParseFS(templateFS, "templates/layout.html", "templates/auditrows.html", "templates/"+name+".html")
 		if err != nil {
 			return fmt.Errorf("console: template %s: %w", name, err)
 		}

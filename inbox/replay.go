@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/internal/engine"
+	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/internal/routerctx"
 )
@@ -292,6 +293,19 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 		return res, replayDBError(schema, "request the replays", err)
 	}
 	slices.Sort(res.Requested)
+	if len(res.Requested) > 0 {
+		targets := make([]string, len(res.Requested))
+		for i, id := range res.Requested {
+			targets[i] = strconv.FormatInt(id, 10)
+		}
+		outcome := fmt.Sprintf("replays requested: %d", len(res.Requested))
+		if len(res.Refused) > 0 {
+			outcome += fmt.Sprintf(", refused: %d", len(res.Refused))
+		}
+		if err := audit.RecordTx(audit.WithFilter(ctx, f.describe()), tx, schema, audit.InboxReplay, targets, outcome); err != nil {
+			return res, replayDBError(schema, "record the replay request", err)
+		}
+	}
 	return res, nil
 }
 

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -362,8 +363,36 @@ func (a *Admin) ReplayTx(ctx context.Context, tx pgx.Tx, f ParkedFilter) ([]Repl
 		if _, err := tx.Exec(ctx, `SELECT pg_notify($1, '')`, outbox.NotifyChannel(a.schema)); err != nil {
 			return nil, a.wrap("notify relays", err)
 		}
+		ids := make([]string, len(out))
+		for i, r := range out {
+			ids[i] = r.EventID
+		}
+		if err := audit.RecordTx(audit.WithFilter(ctx, f.describe()), tx, a.schema, audit.OutboxReplay, ids, fmt.Sprintf("rows moved back to the outbox: %d", len(out))); err != nil {
+			return nil, a.wrap("record the replay", err)
+		}
 	}
 	return out, nil
+}
+
+// describe says what f selects, for the audit record.
+func (f ParkedFilter) describe() string {
+	var parts []string
+	if len(f.IDs) > 0 {
+		parts = append(parts, fmt.Sprintf("ids %v", f.IDs))
+	}
+	if len(f.EventIDs) > 0 {
+		parts = append(parts, "event ids "+strings.Join(f.EventIDs, ","))
+	}
+	if f.Topic != "" {
+		parts = append(parts, fmt.Sprintf("topic %q", f.Topic))
+	}
+	if f.Key != "" {
+		parts = append(parts, fmt.Sprintf("key %q", f.Key))
+	}
+	if len(parts) == 0 {
+		return "all"
+	}
+	return strings.Join(parts, ", ")
 }
 
 func (a *Admin) wrap(what string, err error) error {

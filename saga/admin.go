@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -471,6 +472,9 @@ func (a *Admin) request(ctx context.Context, tx pgx.Tx, id, action string, check
 	if _, err := tx.Exec(ctx, a.st.insOpr, id, action); err != nil {
 		return fmt.Errorf("saga: file the %s request for %q: %w", action, id, a.st.explain(err))
 	}
+	if err := audit.RecordTx(ctx, tx, a.st.schema, "saga "+action, []string{id}, "requested"); err != nil {
+		return fmt.Errorf("saga: %w", a.st.explain(err))
+	}
 	return nil
 }
 
@@ -498,6 +502,28 @@ type BulkOptions struct {
 // longer matches the request's filter when its row is locked: it moved on since it was
 // listed. Nothing is filed for it. It wraps ErrWrongState.
 var ErrNoLongerMatches = fmt.Errorf("%w: the saga no longer matches the filter", ErrWrongState)
+
+// describe says what f selects, for the audit record of a bulk request.
+func (f ListFilter) describe() string {
+	var parts []string
+	add := func(name, v string) {
+		if v != "" {
+			parts = append(parts, name+" "+strconv.Quote(v))
+		}
+	}
+	add("state", string(f.State))
+	add("name", f.Name)
+	if f.Version != 0 {
+		parts = append(parts, "version "+strconv.Itoa(f.Version))
+	}
+	add("step", f.Step)
+	add("error containing", f.Error)
+	add("id prefix", f.IDPrefix)
+	if !f.StartedBefore.IsZero() {
+		parts = append(parts, "started before "+f.StartedBefore.UTC().Format(time.RFC3339))
+	}
+	return strings.Join(parts, ", ")
+}
 
 // mismatch says why in does not match f, as ListPage's query decides; "" when it does.
 func (f ListFilter) mismatch(in *instance) string {
@@ -594,6 +620,7 @@ func (a *Admin) bulk(ctx context.Context, db TxDB, f ListFilter, o BulkOptions, 
 	if o.DryRun {
 		return res, nil
 	}
+	ctx = audit.WithFilter(ctx, f.describe())
 	// Under the saga's row lock, the whole filter again, then the request's own check.
 	checkAll := func(in *instance) error {
 		if why := f.mismatch(in); why != "" {

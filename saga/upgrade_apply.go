@@ -5,10 +5,12 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
@@ -185,6 +187,10 @@ func (a *Admin) upgradeTx(ctx context.Context, tx pgx.Tx, def upgradeTarget, u *
 	if err := a.st.writeUpgrade(ctx, tx, in.Version, plan); err != nil {
 		return SagaUpgrade{}, err
 	}
+	if err := audit.RecordTx(ctx, tx, a.st.schema, audit.SagaUpgrade, []string{id},
+		fmt.Sprintf("upgraded from version %d to %d, step %s → %s", plan.rec.From, plan.rec.To, plan.rec.Step, plan.rec.NewStep)); err != nil {
+		return SagaUpgrade{}, fmt.Errorf("saga: %w", a.st.explain(err))
+	}
 	return SagaUpgrade{ID: id, UpgradeRecord: plan.rec, Data: plan.in.Data}, nil
 }
 
@@ -354,6 +360,13 @@ func (a *Admin) requestUpgrade(ctx context.Context, db DB, tx pgx.Tx, id string,
 	}
 	if _, err := tx.Exec(ctx, a.st.upgradeSQL().request, id, from, to); err != nil {
 		return up, fmt.Errorf("saga: file the upgrade request for %q: %w", id, a.st.explain(err))
+	}
+	target := "the newest version"
+	if to != 0 {
+		target = "version " + strconv.Itoa(to)
+	}
+	if err := audit.RecordTx(ctx, tx, a.st.schema, audit.SagaUpgrade, []string{id}, fmt.Sprintf("requested from version %d to %s", from, target)); err != nil {
+		return up, fmt.Errorf("saga: %w", a.st.explain(err))
 	}
 	return up, nil
 }

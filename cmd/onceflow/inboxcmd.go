@@ -16,6 +16,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
@@ -236,15 +237,11 @@ func (c *cli) inboxPoisonDelete(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	table := pgsql.Table(db.schema, "inbox_poison")
 	errMissing := errors.New("missing rows")
 	var deleted []int64
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		rows, err := tx.Query(ctx, `DELETE FROM `+table+` WHERE id = ANY($1) AND ($2 = '' OR consumer = $2) RETURNING id`, ids, *consumer)
-		if err != nil {
-			return err
-		}
-		deleted, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+		var err error
+		deleted, err = inbox.DeletePoisonTx(ctx, tx, db.schema, inbox.DeleteFilter{IDs: ids, Consumer: *consumer})
 		if err != nil {
 			return err
 		}

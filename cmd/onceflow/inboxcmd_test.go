@@ -145,6 +145,16 @@ func TestInboxPoisonCommands(t *testing.T) {
 	if !strings.Contains(r.stdout, "2 poison rows deleted") || count() != 1 {
 		t.Errorf("delete (%d rows left):\n%s", count(), r.stdout)
 	}
+	// The audit trail has the deletion, by the OS user through the CLI; the refused ones
+	// above left no record.
+	var actor, action string
+	var records int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) OVER (), actor, action FROM `+db.Table("operator_action")).Scan(&records, &actor, &action); err != nil {
+		t.Fatal(err)
+	}
+	if records != 1 || !strings.HasPrefix(actor, "cli:") || len(actor) == len("cli:") || action != "inbox delete" {
+		t.Errorf("audit trail after the CLI's delete: %d records, %q by %q", records, action, actor)
+	}
 	// The dedup rows stay: a redelivery is still skipped.
 	var dedup int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM `+db.Table("processed_event")+` WHERE dedup_key = $1`, "event:"+first.UUID).Scan(&dedup); err != nil {

@@ -14,10 +14,14 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"os/user"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
+
+	"github.com/onceflow/onceflow/audit"
 )
 
 type command struct {
@@ -85,7 +89,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	}
 	for _, cmd := range commands {
 		if cmd.name == args[0] {
-			err := cmd.run(c, ctx, args[1:])
+			// Operator actions (retry, replay, delete, ...) are recorded with who ran them.
+			err := cmd.run(c, audit.WithActor(ctx, "cli:"+osUser(getenv)), args[1:])
 			var ee *exitError
 			switch {
 			case err == nil:
@@ -164,4 +169,16 @@ func (c *cli) usage(w io.Writer) {
 	b.WriteString("\nRun 'onceflow <command> -h' (or 'onceflow help <command>') for the flags of a command,\n" +
 		"'onceflow --version' for the version.\n")
 	_, _ = io.WriteString(w, b.String()) // nothing to do about a closed terminal
+}
+
+// osUser is the name of the user running the command, for the audit trail: the account's
+// name, else $USER, else the numeric uid.
+func osUser(getenv func(string) string) string {
+	if u, err := user.Current(); err == nil && u.Username != "" {
+		return u.Username
+	}
+	if u := getenv("USER"); u != "" {
+		return u
+	}
+	return "uid " + strconv.Itoa(os.Getuid())
 }

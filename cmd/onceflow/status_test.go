@@ -60,7 +60,7 @@ func TestStatusCommand(t *testing.T) {
 	seedStuck(t, db)
 	r = runCmd(ctx, env, "status", "--max-retention-backlog", "3").expect(t, "status with stuck items", exitStuck)
 	for _, want := range []string{": STUCK", "3 pending", "oldest 10m", "parked: 1", "shards: 4, 1 without a live owner",
-		"relay-a", "host-a", "last beat 2m", "waits for 10m", "1 rows parked", "processed_event holds more than 3 rows past retention",
+		"relay-a", "host-a", "last beat 2m", "waits for 10m", "1 row parked", "processed_event holds more than 3 rows past retention",
 		"1 sagas stuck", "checkout  stuck", "checkout  running"} {
 		if !strings.Contains(r.stdout, want) {
 			t.Errorf("status output lacks %q:\n%s", want, r.stdout)
