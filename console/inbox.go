@@ -11,8 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/audit"
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
 

@@ -14,8 +14,8 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
-	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/audit"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/internal/routerctx"
 )
