@@ -72,3 +72,50 @@ func TestHostRule(t *testing.T) {
 		t.Errorf("a URL as a host: %v", err)
 	}
 }
+
+// A viewer's credential reads every page but sees no button and cannot post; an operator's
+// acts; both are recorded under their names.
+func TestViewerAndOperatorCredentials(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	s := seed(t, db)
+	h, err := console.New(console.Config{DB: db.Pool, Schema: db.Schema, Actions: true, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	guarded, err := console.RequireCredentials(h, console.Credentials{User: "ops", Password: "op-s3cret"},
+		console.Credentials{User: "audit", Password: "view-s3cret", Role: console.Viewer})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(guarded)
+	t.Cleanup(srv.Close)
+	as := func(user, pw string) *browser {
+		b := newBrowser(t, srv)
+		b.c.Transport = basicAuth{user, pw}
+		return b
+	}
+	viewer, operator := as("audit", "view-s3cret"), as("ops", "op-s3cret")
+	before := snapshot(t, db)
+	p := viewer.get("/sagas/"+s.stuck+"/retry").expect(t, "viewer's confirmation", http.StatusOK, "read-only")
+	if strings.Contains(p.body, `id="confirm"`) {
+		t.Errorf("a viewer is offered the button:\n%s", p.body)
+	}
+	// A viewer's post, even with a token of an operator's page, is refused.
+	tok := operator.get("/sagas/" + s.stuck + "/retry").csrf(t)
+	viewer.post("/sagas/"+s.stuck+"/retry", url.Values{"csrf": {tok}}, "Cookie", "onceflow_csrf="+tok).expect(t, "viewer's POST", http.StatusForbidden, "viewer")
+	if after := snapshot(t, db); after != before {
+		t.Fatalf("a viewer's POST changed the database")
+	}
+	operator.post("/sagas/"+s.stuck+"/retry", url.Values{"csrf": {tok}}).expect(t, "operator's POST", http.StatusSeeOther)
+	operator.get("/audit").expect(t, "audit trail", http.StatusOK, "<td>ops</td><td>saga retry</td>")
+}
+
+// basicAuth is a RoundTripper that signs every request with basic authentication.
+type basicAuth struct{ user, pw string }
+
+func (a basicAuth) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.SetBasicAuth(a.user, a.pw)
+	return http.DefaultTransport.RoundTrip(r)
+}

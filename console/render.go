@@ -63,7 +63,7 @@ type view struct {
 // render writes a page. The whole page is rendered into a buffer first, so a template error
 // becomes a 500 instead of half a page after a 200.
 func (c *Console) render(w http.ResponseWriter, r *http.Request, status int, name string, p any) {
-	v := view{Prefix: c.cfg.Prefix, Nav: name, Actions: c.cfg.Actions, CSRF: c.csrfToken(w, r), Schema: c.cfg.Schema, P: p}
+	v := view{Prefix: c.cfg.Prefix, Nav: name, Actions: c.actionsFor(r), CSRF: c.csrfToken(w, r), Schema: c.cfg.Schema, P: p}
 	if name == "overview" && c.cfg.Refresh > 0 {
 		v.Refresh = int(c.cfg.Refresh.Round(time.Second) / time.Second)
 	}
@@ -108,6 +108,10 @@ func validToken(s string) bool {
 func (c *Console) checkPost(w http.ResponseWriter, r *http.Request) bool {
 	if !c.cfg.Actions {
 		c.fail(w, r, http.StatusForbidden, "This console is read-only: actions are switched off (console.Config.Actions, `onceflow ui --actions`).")
+		return false
+	}
+	if roleOf(r) == Viewer {
+		c.fail(w, r, http.StatusForbidden, "Refused: your credential is a viewer's, which reads and changes nothing; an operator's credential acts.")
 		return false
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
@@ -218,4 +222,9 @@ func shorten(n int, s string) string {
 		n--
 	}
 	return s[:n] + "…"
+}
+
+// actionsFor reports whether r's user may act: actions are on and the user is not a Viewer.
+func (c *Console) actionsFor(r *http.Request) bool {
+	return c.cfg.Actions && roleOf(r) != Viewer
 }

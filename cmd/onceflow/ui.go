@@ -23,10 +23,13 @@ Read-only unless --actions is given (saga retry and compensate, replay of parked
 deletion of poison rows; each POST carries a CSRF token and is logged with the user's name).
 
 Credentials come from the environment, never from flags (flags show in ps):
-  ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD  HTTP basic authentication
-  ONCEFLOW_UI_TOKEN                          "Authorization: Bearer <token>" (or as the basic-auth password)
+  ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD  an operator's HTTP basic authentication
+  ONCEFLOW_UI_TOKEN                          an operator's "Authorization: Bearer <token>" (or basic-auth password)
+  ONCEFLOW_UI_VIEWER_USER and ONCEFLOW_UI_VIEWER_PASSWORD, ONCEFLOW_UI_VIEWER_TOKEN
+                                             the same for viewers: they read every page and change nothing
 Without them the console serves only a loopback address (127.0.0.1, ::1, localhost), for an
-SSH tunnel or a kubectl port-forward; any other address is refused. Serve it over TLS (a
+SSH tunnel or a kubectl port-forward; any other address is refused. --actions on any other
+address needs an operator's credential. Serve it over TLS (a
 reverse proxy) when it leaves the host.
 
 It answers only requests for the hosts it serves (the Host header): its listen address,
@@ -49,16 +52,25 @@ func (c *cli) runUI(ctx context.Context, args []string) error {
 		return fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	creds := console.Credentials{User: c.getenv("ONCEFLOW_UI_USER"), Password: c.getenv("ONCEFLOW_UI_PASSWORD"), Token: c.getenv("ONCEFLOW_UI_TOKEN")}
-	c.secrets.addLiteral(creds.Password)
-	c.secrets.addLiteral(creds.Token)
-	hasCreds := creds.Token != "" || creds.User != "" || creds.Password != ""
+	viewer := console.Credentials{User: c.getenv("ONCEFLOW_UI_VIEWER_USER"), Password: c.getenv("ONCEFLOW_UI_VIEWER_PASSWORD"),
+		Token: c.getenv("ONCEFLOW_UI_VIEWER_TOKEN"), Role: console.Viewer}
+	for _, s := range []string{creds.Password, creds.Token, viewer.Password, viewer.Token} {
+		c.secrets.addLiteral(s)
+	}
+	hasOperator := creds.Token != "" || creds.User != "" || creds.Password != ""
+	hasViewer := viewer.Token != "" || viewer.User != "" || viewer.Password != ""
+	hasCreds := hasOperator || hasViewer
 	host, _, err := net.SplitHostPort(*addr)
 	if err != nil {
 		return fmt.Errorf("--addr %q is not host:port (e.g. 127.0.0.1:8080): %w", *addr, err)
 	}
-	if !hasCreds && !isLoopback(host) {
+	switch {
+	case !hasCreds && !isLoopback(host):
 		return fmt.Errorf("--addr %q is reachable from other hosts, and no credential is set: set ONCEFLOW_UI_TOKEN, "+
 			"or ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD, in the environment (not as flags: they show in ps), or listen on 127.0.0.1", *addr)
+	case *actions && !hasOperator && !isLoopback(host):
+		return fmt.Errorf("--actions on %q, reachable from other hosts, needs an operator's credential: set ONCEFLOW_UI_TOKEN, "+
+			"or ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD (ONCEFLOW_UI_VIEWER_* only read), or drop --actions", *addr)
 	}
 	r := *refresh
 	if r == 0 {
@@ -91,8 +103,15 @@ func (c *cli) runUI(ctx context.Context, args []string) error {
 	}
 	var handler http.Handler = h
 	if hasCreds {
-		if handler, err = console.RequireCredentials(h, creds); err != nil {
-			return fmt.Errorf("%w (set ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD together, or ONCEFLOW_UI_TOKEN)", err)
+		var all []console.Credentials
+		if hasOperator {
+			all = append(all, creds)
+		}
+		if hasViewer {
+			all = append(all, viewer)
+		}
+		if handler, err = console.RequireCredentials(h, all[0], all[1:]...); err != nil {
+			return fmt.Errorf("%w (set ONCEFLOW_UI_USER and ONCEFLOW_UI_PASSWORD together, or ONCEFLOW_UI_TOKEN; the same for ONCEFLOW_UI_VIEWER_*)", err)
 		}
 	}
 	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second, ReadTimeout: 30 * time.Second,

@@ -101,6 +101,20 @@ func TestUICommand(t *testing.T) {
 	if code, body := get(t, u, func(r *http.Request) { r.SetBasicAuth("ops", "pw-s3cret") }); code != http.StatusOK || !strings.Contains(body, "actions on") {
 		t.Errorf("GET with the credential: %d\n%s", code, body)
 	}
+	// Viewers read, and --actions beyond loopback needs an operator.
+	viewers := map[string]string{"DATABASE_URL": db.URL, "ONCEFLOW_SCHEMA": db.Schema, "ONCEFLOW_UI_VIEWER_TOKEN": "view-t0ken-1"}
+	r = runCmd(context.Background(), viewers, "ui", "--addr", "0.0.0.0:0", "--actions").expect(t, "--actions with a viewer's credential only", 1)
+	if !strings.Contains(r.stderr, "needs an operator's credential") || strings.Contains(r.stderr, "view-t0ken-1") {
+		t.Errorf("the refusal:\n%s", r.stderr)
+	}
+	both := map[string]string{"DATABASE_URL": db.URL, "ONCEFLOW_SCHEMA": db.Schema, "ONCEFLOW_UI_TOKEN": "op-t0ken-1", "ONCEFLOW_UI_VIEWER_TOKEN": "view-t0ken-1"}
+	u = startUI(t, both, "--addr", "127.0.0.1:0", "--actions")
+	if code, body := get(t, u, func(r *http.Request) { r.Header.Set("Authorization", "Bearer view-t0ken-1") }); code != http.StatusOK || !strings.Contains(body, "read-only") {
+		t.Errorf("GET as a viewer: %d\n%s", code, body)
+	}
+	if code, body := get(t, u, func(r *http.Request) { r.Header.Set("Authorization", "Bearer op-t0ken-1") }); code != http.StatusOK || !strings.Contains(body, "actions on") {
+		t.Errorf("GET as an operator: %d\n%s", code, body)
+	}
 }
 
 // Saga timers and operator requests that no orchestrator fires are a stuck condition, with
