@@ -16,9 +16,9 @@ import (
 )
 
 // The console's server time at scale: 1M sagas (20k stuck, 10k running, the rest finished
-// over the last 11 days), 100k pending outbox rows and 10k
-// poison rows; each page rendered 20 times, the median reported beside the status read
-// (console.ReadStatus, what `onceflow status` runs). Seeding takes a minute or two, so it
+// over the last 11 days), 1M pending outbox rows and 100k poison rows (90k of them replayed
+// history); each page rendered 20 times, the median reported beside the status read
+// (console.ReadStatus, what `onceflow status` runs). Seeding takes a few minutes, so it
 // runs only when asked:
 //
 //	ONCEFLOW_CONSOLE_SCALE=1 go test -run TestConsoleScale -v ./console/
@@ -40,10 +40,18 @@ func TestConsoleScale(t *testing.T) {
 			FROM generate_series(1, 1000000) g`,
 		`INSERT INTO ` + db.Table("outbox") + ` (event_id, topic, partition_key, key_hash, payload, created_at)
 			SELECT gen_random_uuid(), 'topic-' || (g % 10), 'key-' || (g % 1000), g % 1000, '{"n":1}', now() - interval '1 minute'
+			FROM generate_series(1, 1000000) g`,
+		`INSERT INTO ` + db.Table("inbox_poison") + ` (consumer, dedup_key, message_uuid, source, payload, attempts, error, state, replayed_at)
+			SELECT 'consumer-' || (g % 5), 'k-' || g, gen_random_uuid()::text, 'orders/0@' || g, '{"n":1}', 5, 'boom',
+				CASE WHEN g % 10 = 0 THEN 'poison' ELSE 'replayed' END, CASE WHEN g % 10 <> 0 THEN now() END
 			FROM generate_series(1, 100000) g`,
-		`INSERT INTO ` + db.Table("inbox_poison") + ` (consumer, dedup_key, message_uuid, source, payload, attempts, error)
-			SELECT 'consumer-' || (g % 5), 'k-' || g, gen_random_uuid()::text, 'orders/0@' || g, '{"n":1}', 5, 'boom'
-			FROM generate_series(1, 10000) g`,
+		// A running saga waiting for the reply to a command no longer in the outbox (published):
+		// its page looks the command up by event id.
+		`UPDATE ` + db.Table("saga") + ` SET waiting = 'reply', steps = '[{"name":"reserve","status":"done","attempts":1},{"name":"charge","status":"running","attempts":1,"sent":[{"phase":"action","attempt":1,"topic":"charge","event_id":"01939d3c-0000-7000-8000-000000000002","at":"2026-01-01T00:00:00Z"}]}]'
+			WHERE id = 'saga-0500001'`,
+		// A thousand operator actions, one on the saga whose page is measured.
+		`INSERT INTO ` + db.Table("operator_action") + ` (actor, action, targets, outcome)
+			SELECT 'ops', 'saga retry', ARRAY['saga-' || lpad((g * 50)::text, 7, '0')], 'requested' FROM generate_series(1, 1000) g`,
 		// What autovacuum does to a table soon after a bulk load: statistics and the
 		// visibility map (index-only scans).
 		`VACUUM ANALYZE ` + db.Table("saga"),
@@ -123,6 +131,13 @@ func TestConsoleScale(t *testing.T) {
 		{"sagas state=stuck, 10,000 deep", page("/sagas?state=stuck&after=" + url.QueryEscape(f.After))},
 		{"sagas, no filter, first page", page("/sagas")},
 		{"saga page", page("/sagas/saga-0500000")},
+		{"saga page, waiting for a reply", page("/sagas/saga-0500001")},
+		{"sagas step=charge state=running", page("/sagas?state=running&step=charge")},
+		{"sagas error=unavailable", page("/sagas?error=unavailable")},
+		{"sagas id=saga-05", page("/sagas?id=saga-05")},
+		{"sagas step=nosuch (no match)", page("/sagas?step=nosuch")},
+		{"sagas error=nosuch (no match)", page("/sagas?error=nosuch")},
+		{"audit", page("/audit")},
 		{"outbox", page("/outbox")},
 		{"inbox poison", page("/inbox")},
 	} {

@@ -169,6 +169,10 @@ type Page struct {
 	Sagas []Summary
 	// Next is the ListFilter.After of the following page; "" when this page is the last.
 	Next string
+	// Searched is set (to MaxListScan) when the page ended because it read that many sagas
+	// for a step, error or id-prefix filter without filling up: more may match further on,
+	// and Next goes on from the last saga read.
+	Searched int
 }
 
 // List returns the first page of sagas matching f, newest first (see ListPage).
@@ -207,8 +211,13 @@ func (a *Admin) ListPage(ctx context.Context, db DB, f ListFilter) (Page, error)
 	if len(problems) > 0 {
 		return Page{}, fmt.Errorf("%w: %s", ErrBadFilter, strings.Join(problems, "; "))
 	}
-	var conds []string
-	args := []any{f.Limit + 1}
+	// conds use the indexes (state, created_at); scanned ones (step, error, id prefix) are
+	// tested on at most MaxListScan rows per page, so a filter that matches little never reads
+	// the whole table: the page then ends early and its Next continues the search.
+	var conds, scanned []string
+	// The indexed conditions' arguments come first ($1…), so the scan's position query
+	// (below) shares them; the page size and the scanned conditions' follow.
+	var args []any
 	arg := func(v any) string { args = append(args, v); return fmt.Sprintf("$%d", len(args)) }
 	if f.State != "" {
 		conds = append(conds, "state = "+arg(string(f.State)))
@@ -219,44 +228,55 @@ func (a *Admin) ListPage(ctx context.Context, db DB, f ListFilter) (Page, error)
 	if f.Version != 0 {
 		conds = append(conds, "version = "+arg(f.Version))
 	}
-	if f.Step != "" {
-		conds = append(conds, "steps -> step ->> 'name' = "+arg(f.Step))
-	}
-	if f.Error != "" {
-		conds = append(conds, "strpos(lower(error), lower("+arg(f.Error)+")) > 0")
-	}
-	if f.IDPrefix != "" {
-		conds = append(conds, "starts_with(id, "+arg(f.IDPrefix)+")")
-	}
 	if !f.StartedBefore.IsZero() {
 		conds = append(conds, "created_at < "+arg(f.StartedBefore))
 	}
 	if after != nil {
 		conds = append(conds, "(created_at, id) < ("+arg(after.at)+", "+arg(after.id)+")")
 	}
+	indexed := len(args)
+	limit := arg(f.Limit + 1)
+	if f.Step != "" {
+		scanned = append(scanned, "steps -> step ->> 'name' = "+arg(f.Step))
+	}
+	if f.Error != "" {
+		scanned = append(scanned, "strpos(lower(error), lower("+arg(f.Error)+")) > 0")
+	}
+	if f.IDPrefix != "" {
+		scanned = append(scanned, "starts_with(id, "+arg(f.IDPrefix)+")")
+	}
 	where := ""
 	if len(conds) > 0 {
 		where = " WHERE " + strings.Join(conds, " AND ")
 	}
-	rows, err := db.Query(ctx, `SELECT id, name, version, state, step, attempt, error, steps -> step ->> 'name', created_at, updated_at FROM `+
-		pgsql.Table(a.st.schema, "saga")+where+` ORDER BY created_at DESC, id DESC LIMIT $1`, args...)
+	const cols = `id, name, version, state, step, attempt, error, steps -> step ->> 'name', created_at, updated_at`
+	table := pgsql.Table(a.st.schema, "saga")
+	query := `SELECT ` + cols + ` FROM ` + table + where + ` ORDER BY created_at DESC, id DESC LIMIT ` + limit
+	if len(scanned) > 0 {
+		// The matches among the next MaxListScan rows, read in order until the page fills.
+		query = `SELECT ` + cols + ` FROM (SELECT * FROM ` + table + where + ` ORDER BY created_at DESC, id DESC LIMIT ` + strconv.Itoa(MaxListScan) + `) s
+			WHERE ` + strings.Join(scanned, " AND ") + ` ORDER BY created_at DESC, id DESC LIMIT ` + limit
+	}
+	rows, err := db.Query(ctx, query, args...)
 	if err != nil {
 		return Page{}, fmt.Errorf("saga: list: %w", a.st.explain(err))
 	}
-	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Summary, error) {
+	out := []Summary{}
+	for rows.Next() {
 		var s Summary
 		var step int
 		var name *string
-		if err := r.Scan(&s.ID, &s.Name, &s.Version, &s.State, &step, &s.Attempt, &s.Error, &name, &s.CreatedAt, &s.UpdatedAt); err != nil {
-			return s, err
+		if err := rows.Scan(&s.ID, &s.Name, &s.Version, &s.State, &step, &s.Attempt, &s.Error, &name, &s.CreatedAt, &s.UpdatedAt); err != nil {
+			rows.Close()
+			return Page{}, fmt.Errorf("saga: list: %w", a.st.explain(err))
 		}
 		s.Step = fmt.Sprintf("#%d", step)
 		if name != nil {
 			s.Step = *name
 		}
-		return s, nil
-	})
-	if err != nil {
+		out = append(out, s)
+	}
+	if err := rows.Err(); err != nil {
 		return Page{}, fmt.Errorf("saga: list: %w", a.st.explain(err))
 	}
 	p := Page{Sagas: out}
@@ -264,9 +284,29 @@ func (a *Admin) ListPage(ctx context.Context, db DB, f ListFilter) (Page, error)
 		p.Sagas = out[:f.Limit]
 		last := p.Sagas[f.Limit-1]
 		p.Next = cursor{at: last.CreatedAt, id: last.ID}.String()
+		return p, nil
+	}
+	if len(scanned) > 0 {
+		// The page did not fill: was the scan cut at MaxListScan? The last row it read
+		// (index only, on the same order) is where the next page goes on.
+		var c cursor
+		err := db.QueryRow(ctx, `SELECT created_at, id FROM `+table+where+` ORDER BY created_at DESC, id DESC OFFSET `+strconv.Itoa(MaxListScan-1)+` LIMIT 1`,
+			args[:indexed]...).Scan(&c.at, &c.id)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows): // the scan read every row there is
+		case err != nil:
+			return Page{}, fmt.Errorf("saga: list: %w", a.st.explain(err))
+		default:
+			p.Next, p.Searched = c.String(), MaxListScan
+		}
 	}
 	return p, nil
 }
+
+// MaxListScan bounds the rows one page of List reads for a filter on the step, the error or
+// an id prefix, which no index answers: a page that found fewer matches ends there
+// (Page.Searched), and its Next goes on with the search.
+const MaxListScan = 20_000
 
 // cursor is the position after a saga in the list order (created_at DESC, id DESC).
 type cursor struct {

@@ -3,6 +3,7 @@ package saga_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -67,5 +68,51 @@ func TestBulkActsOnlyOnWhatWasShown(t *testing.T) {
 	}
 	if _, err := admin.RetryMatching(ctx, db.Pool, f, saga.BulkOptions{IDs: shown.Matched, Limit: 100}); !errors.Is(err, saga.ErrBadFilter) {
 		t.Errorf("more ids than the limit: %v", err)
+	}
+}
+
+// A filter no index answers (the step, the error, an id prefix) reads at most MaxListScan
+// sagas per page: a saga that matches far down is found by following Next, page after page,
+// each of which says how far it searched.
+func TestListScansBoundedPages(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	n := saga.MaxListScan*2 + 10
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("saga")+` (id, name, version, state, step, data, steps, created_at, updated_at)
+		SELECT 's-' || lpad(g::text, 7, '0'), 'checkout', 1, 'completed', 0, '{}',
+			CASE WHEN g = $1 THEN '[{"name": "rare", "status": "done"}]' ELSE '[{"name": "reserve", "status": "done"}]' END::jsonb,
+			now() - (g || ' seconds')::interval, now()
+		FROM generate_series(1, $1::int) g`, n); err != nil {
+		t.Fatal(err)
+	}
+	admin, err := saga.NewAdmin(db.Schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := saga.ListFilter{Step: "rare", Limit: 10}
+	var pages []string
+	for range 5 {
+		p, err := admin.ListPage(ctx, db.Pool, f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pages = append(pages, fmt.Sprintf("%d found, searched %d, next %v", len(p.Sagas), p.Searched, p.Next != ""))
+		if len(p.Sagas) == 1 {
+			if p.Sagas[0].ID != fmt.Sprintf("s-%07d", n) { // the oldest
+				t.Fatalf("found %s", p.Sagas[0].ID)
+			}
+			break
+		}
+		f.After = p.Next
+	}
+	want := fmt.Sprintf("[0 found, searched %d, next true 0 found, searched %d, next true 1 found, searched 0, next false]", saga.MaxListScan, saga.MaxListScan)
+	if got := fmt.Sprint(pages); got != want {
+		t.Fatalf("pages: %s\nwant   %s", got, want)
+	}
+	// A filter that matches densely fills its page at once.
+	p, err := admin.ListPage(ctx, db.Pool, saga.ListFilter{Step: "reserve", Limit: 10})
+	if err != nil || len(p.Sagas) != 10 || p.Searched != 0 || p.Next == "" {
+		t.Fatalf("dense filter: %d sagas, searched %d, next %q, %v", len(p.Sagas), p.Searched, p.Next, err)
 	}
 }

@@ -131,10 +131,28 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer, p
 	if w.EventID == "" {
 		return w, nil
 	}
+	// The outbox has no index on event_id (a second b-tree would cost every business commit):
+	// the lookup scans the pending rows. It is skipped when the oldest pending row (one probe of
+	// the primary key) was written well after the command (commandMargin): the relay has
+	// published everything from then on, the command included. Only a saga whose command is
+	// older than the relay's backlog pays the scan.
+	outboxT, parkedT := pgsql.Table(a.st.schema, "outbox"), pgsql.Table(a.st.schema, "outbox_parked")
+	published := false // known without a scan of the outbox
+	if !w.Since.IsZero() {
+		// Its own statement: under a one-time filter the scan would still be planned in
+		// parallel, and its workers started for nothing (tens of ms on a busy server).
+		if err := db.QueryRow(ctx, `SELECT coalesce((SELECT created_at FROM `+outboxT+` ORDER BY id LIMIT 1) > $1::timestamptz + $2::interval, true)`,
+			w.Since, commandMargin).Scan(&published); err != nil {
+			return nil, fmt.Errorf("saga: look up the command %s of saga %q in the outbox: %w", w.EventID, in.ID, a.st.explain(err))
+		}
+	}
+	pending := `SELECT 'pending', attempts, coalesce(last_error, '') FROM ` + outboxT + ` WHERE event_id = $1::uuid UNION ALL `
+	if published {
+		pending = ""
+	}
 	var where string
-	err := db.QueryRow(ctx, `SELECT 'pending', attempts, coalesce(last_error, '') FROM `+pgsql.Table(a.st.schema, "outbox")+` WHERE event_id = $1::uuid
-		UNION ALL SELECT 'parked', attempts, last_error FROM `+pgsql.Table(a.st.schema, "outbox_parked")+` WHERE event_id = $1::uuid
-		LIMIT 1`, w.EventID).Scan(&where, &w.PublishAttempts, &w.PublishError)
+	err := db.QueryRow(ctx, pending+`SELECT 'parked', attempts, last_error FROM `+parkedT+` WHERE event_id = $1::uuid LIMIT 1`,
+		w.EventID).Scan(&where, &w.PublishAttempts, &w.PublishError)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows): // published
 	case err != nil:
@@ -146,3 +164,9 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer, p
 	}
 	return w, nil
 }
+
+// commandMargin is how much later than a command the oldest pending outbox row must have been
+// written for the command to count as published without looking it up: rows are numbered as
+// they are inserted, but stamped with their transaction's start, so a row inserted before the
+// command's can be stamped a transaction's length later.
+const commandMargin = 5 * time.Minute

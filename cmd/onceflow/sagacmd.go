@@ -129,16 +129,24 @@ func (c *cli) sagaList(ctx context.Context, args []string) error {
 	}
 	tw := tabwriter.NewWriter(c.stdout, 0, 4, 2, ' ', 0)
 	p := &printer{w: tw}
-	if len(page.Sagas) == 0 {
+	switch {
+	case len(page.Sagas) == 0 && page.Searched == 0:
 		p.f("no sagas\n")
 		return p.flush(tw)
+	case len(page.Sagas) == 0:
+		p.f("no saga matches yet")
+	default:
+		p.f("ID\tNAME\tVERSION\tSTATE\tSTEP\tATTEMPT\tSTARTED\tUPDATED\tERROR\n")
 	}
-	p.f("ID\tNAME\tVERSION\tSTATE\tSTEP\tATTEMPT\tSTARTED\tUPDATED\tERROR\n")
 	for _, s := range page.Sagas {
 		p.f("%s\t%s\t%d\t%s\t%s\t%d\t%s\t%s\t%s\n", s.ID, s.Name, s.Version, s.State, s.Step, s.Attempt,
 			fmtTime(s.CreatedAt), fmtTime(s.UpdatedAt), oneLine(s.Error))
 	}
-	if page.Next != "" {
+	switch {
+	case page.Searched > 0:
+		p.f("\nsearched %d sagas for the step, error or id filter (no index answers it) and stopped; more may match: add --after %s to search on (--state narrows it)\n",
+			page.Searched, page.Next)
+	case page.Next != "":
 		p.f("\nmore sagas match: add --after %s for the next page\n", page.Next)
 	}
 	return p.flush(tw)
