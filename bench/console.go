@@ -12,11 +12,14 @@ import (
 	"github.com/onceflow/onceflow/saga"
 )
 
-// benchConsole measures the operator console's server time (issue 25): with 1M sagas (20k
-// stuck, 10k running, the rest finished over 11 days), 100k pending outbox rows and 10k poison
-// rows, the overview, the saga list filtered by state (first page, and a page 10,000 rows deep
-// by keyset), and a saga's page, each the median of 20 renders, beside `onceflow status`'s
-// own read (console.ReadStatus) in the same run. Target: ≤ 50 ms each.
+// benchConsole measures the operator console's server time (issues 25 and 35): with 1M sagas
+// (20k stuck, 10k running, the rest finished over 11 days), 1M pending outbox rows and 100k
+// poison rows (90k of them replayed history), the overview, the saga list filtered by state
+// (first page, and a page 10,000 rows deep by keyset) and by a step no saga is at (no index
+// answers it), a saga's page, the page of a saga waiting for the reply to a command already
+// published (looked up in the outbox), and the audit trail, each the median of 20 renders,
+// beside `onceflow status`'s own read (console.ReadStatus) in the same run. Target: ≤ 50 ms
+// each.
 func benchConsole(ctx context.Context, e *env) ([]result, error) {
 	pool, schema, err := e.freshSchema(ctx, "console")
 	if err != nil {
@@ -34,10 +37,15 @@ func benchConsole(ctx context.Context, e *env) ([]result, error) {
 			FROM generate_series(1, 1000000) g`,
 		`INSERT INTO outbox (event_id, topic, partition_key, key_hash, payload, created_at)
 			SELECT gen_random_uuid(), 'topic-' || (g % 10), 'key-' || (g % 1000), g % 1000, '{"n":1}', now() - interval '1 minute'
+			FROM generate_series(1, 1000000) g`,
+		`INSERT INTO inbox_poison (consumer, dedup_key, message_uuid, source, payload, attempts, error, state, replayed_at)
+			SELECT 'consumer-' || (g % 5), 'k-' || g, gen_random_uuid()::text, 'orders/0@' || g, '{"n":1}', 5, 'boom',
+				CASE WHEN g % 10 = 0 THEN 'poison' ELSE 'replayed' END, CASE WHEN g % 10 <> 0 THEN now() END
 			FROM generate_series(1, 100000) g`,
-		`INSERT INTO inbox_poison (consumer, dedup_key, message_uuid, source, payload, attempts, error)
-			SELECT 'consumer-' || (g % 5), 'k-' || g, gen_random_uuid()::text, 'orders/0@' || g, '{"n":1}', 5, 'boom'
-			FROM generate_series(1, 10000) g`,
+		`UPDATE saga SET waiting = 'reply', steps = '[{"name":"reserve","status":"done","attempts":1},{"name":"charge","status":"running","attempts":1,"sent":[{"phase":"action","attempt":1,"topic":"charge","event_id":"01939d3c-0000-7000-8000-000000000002","at":"2026-01-01T00:00:00Z"}]}]'
+			WHERE id = 'saga-0500001'`,
+		`INSERT INTO operator_action (actor, action, targets, outcome)
+			SELECT 'ops', 'saga retry', ARRAY['saga-' || lpad((g * 50)::text, 7, '0')], 'requested' FROM generate_series(1, 1000) g`,
 		`VACUUM ANALYZE saga`, `VACUUM ANALYZE outbox`, `VACUUM ANALYZE inbox_poison`,
 	} {
 		if _, err := pool.Exec(ctx, sql); err != nil {
@@ -99,6 +107,9 @@ func benchConsole(ctx context.Context, e *env) ([]result, error) {
 		{"saga_list_stuck", page("/sagas?state=stuck")},
 		{"saga_list_10k_deep", page("/sagas?state=stuck&after=" + url.QueryEscape(f.After))},
 		{"saga_page", page("/sagas/saga-0500000")},
+		{"saga_page_waiting", page("/sagas/saga-0500001")},
+		{"saga_list_step_nomatch", page("/sagas?step=nosuch")},
+		{"audit", page("/audit")},
 	} {
 		ms, err := median(m.run)
 		if err != nil {
