@@ -1,5 +1,6 @@
 // Package audit is the operators' audit trail: every operator action — a saga retry,
-// compensation or upgrade request, an outbox replay, an inbox poison replay or deletion — is
+// compensation or upgrade request, an outbox replay, an inbox poison replay or deletion, the
+// deletion of an idempotency record — is
 // recorded in the operator_action table (migration 0018) by the Admin call that carries it
 // out, in the same transaction: an action that rolled back leaves no record, one that
 // committed always has one.
@@ -29,6 +30,8 @@ const (
 	OutboxReplay   = "outbox replay"
 	InboxReplay    = "inbox replay"
 	InboxDelete    = "inbox delete"
+	// IdempotencyDelete's target is "<owner> <key>".
+	IdempotencyDelete = "idempotency delete"
 )
 
 // Entry is one recorded action.

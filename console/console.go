@@ -35,6 +35,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceflow/onceflow/audit"
+	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
@@ -129,6 +130,7 @@ var staticFS embed.FS
 type Console struct {
 	cfg   Config
 	sagas *saga.Admin
+	idem  *idempotency.Admin
 	relay *relay.Admin
 	pages map[string]*template.Template
 	mux   *http.ServeMux
@@ -147,7 +149,11 @@ func New(cfg Config) (*Console, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Console{cfg: cfg, sagas: sa, relay: ra, pages: map[string]*template.Template{}}
+	ia, err := idempotency.NewAdmin(cfg.Schema)
+	if err != nil {
+		return nil, err
+	}
+	c := &Console{cfg: cfg, sagas: sa, relay: ra, idem: ia, pages: map[string]*template.Template{}}
 	if err := c.parseTemplates(); err != nil {
 		return nil, err
 	}

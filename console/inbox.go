@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/audit"
+	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
 )
@@ -422,6 +423,17 @@ type idemRecord struct {
 	ExpiresAt   time.Time
 }
 
+// idemRecordOf is rec as the page shows it: the fingerprint in hex, each header's values on
+// one line.
+func idemRecordOf(rec idempotency.Record) idemRecord {
+	shown := idemRecord{Owner: rec.Owner, Key: rec.Key, Fingerprint: hex.EncodeToString(rec.Fingerprint), Status: rec.Status,
+		Headers: map[string]string{}, Body: rec.Body, Stored: rec.Stored, CreatedAt: rec.CreatedAt, ExpiresAt: rec.ExpiresAt}
+	for k, vals := range rec.Headers {
+		shown.Headers[k] = strings.Join(vals, ", ")
+	}
+	return shown
+}
+
 type idemData struct {
 	Owner, Key string
 	Searched   bool
@@ -449,46 +461,26 @@ func (c *Console) idempotencyPage(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	v.Searched = true
-	table := pgsql.Table(c.cfg.Schema, "idempotency_record")
-	scan := func(row pgx.CollectableRow) (idemRecord, error) {
-		var rec idemRecord
-		var fp []byte
-		var hdr map[string][]string
-		err := row.Scan(&rec.Owner, &rec.Key, &fp, &rec.Status, &hdr, &rec.Body, &rec.Stored, &rec.CreatedAt, &rec.ExpiresAt)
-		rec.Fingerprint = hex.EncodeToString(fp)
-		rec.Headers = map[string]string{}
-		for k, vals := range hdr {
-			rec.Headers[k] = strings.Join(vals, ", ")
-		}
-		return rec, err
-	}
-	ctx := r.Context()
 	if v.Key != "" {
-		rows, err := c.cfg.DB.Query(ctx, `SELECT owner, idem_key, fingerprint, status, headers, substring(coalesce(body, ''::bytea) for $3), body IS NOT NULL, created_at, expires_at
-			FROM `+table+` WHERE owner = $1 AND idem_key = $2`, v.Owner, v.Key, maxBodyShown)
-		if err != nil {
+		rec, err := c.idem.Find(r.Context(), c.cfg.DB, v.Owner, v.Key, maxBodyShown)
+		switch {
+		case errors.Is(err, idempotency.ErrNoRecord):
+		case err != nil:
 			c.failErr(w, r, err)
 			return
-		}
-		recs, err := pgx.CollectRows(rows, scan)
-		if err != nil {
-			c.failErr(w, r, err)
-			return
-		}
-		if len(recs) > 0 {
-			v.Record = &recs[0]
+		default:
+			shown := idemRecordOf(*rec)
+			v.Record = &shown
 		}
 	} else {
-		// The owner's keys, on the primary key (owner, idem_key): a bounded range scan.
-		rows, err := c.cfg.DB.Query(ctx, `SELECT owner, idem_key, fingerprint, status, '{}'::jsonb, ''::bytea, body IS NOT NULL, created_at, expires_at
-			FROM `+table+` WHERE owner = $1 ORDER BY idem_key LIMIT 100`, v.Owner)
+		// The owner's keys: a bounded range of the primary key (owner, idem_key).
+		recs, err := c.idem.List(r.Context(), c.cfg.DB, v.Owner, "", 100)
 		if err != nil {
 			c.failErr(w, r, err)
 			return
 		}
-		if v.Keys, err = pgx.CollectRows(rows, scan); err != nil {
-			c.failErr(w, r, err)
-			return
+		for _, rec := range recs {
+			v.Keys = append(v.Keys, idemRecordOf(rec))
 		}
 	}
 	c.render(w, r, http.StatusOK, "idempotency", v)
