@@ -324,6 +324,21 @@ func (c *Console) sagaAction(w http.ResponseWriter, r *http.Request) {
 // bulkLimit is how many sagas one bulk action acts on; the page says when more match.
 const bulkLimit = 100
 
+// postedSagas are the saga ids a confirmation form posts (as "saga"): the ones its dry run
+// listed, 1 to bulkLimit of them, each checked.
+func postedSagas(r *http.Request) ([]string, error) {
+	ids := r.PostForm["saga"]
+	if len(ids) == 0 || len(ids) > bulkLimit {
+		return nil, badInput("the form names %d sagas; an action takes the 1 to %d its dry run listed", len(ids), bulkLimit)
+	}
+	for _, id := range ids {
+		if err := checkText("a saga id", id); err != nil {
+			return nil, err
+		}
+	}
+	return ids, nil
+}
+
 type bulkData struct {
 	Title    string
 	Action   string
@@ -388,16 +403,10 @@ func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	ids := r.PostForm["saga"]
-	if len(ids) == 0 || len(ids) > bulkLimit {
-		c.failErr(w, r, badInput("the form names %d sagas; a bulk action takes the 1 to %d its dry run listed", len(ids), bulkLimit))
+	ids, err := postedSagas(r)
+	if err != nil {
+		c.failErr(w, r, err)
 		return
-	}
-	for _, id := range ids {
-		if err := checkText("a saga id", id); err != nil {
-			c.failErr(w, r, err)
-			return
-		}
 	}
 	res, err := c.bulk(r, action, f, false, ids)
 	c.logAction(r, "saga bulk "+action, err, "filter", p, "requested", len(res.Requested), "refused", len(res.Refused), "saga_ids", res.Requested)

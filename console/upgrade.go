@@ -84,16 +84,10 @@ func (c *Console) upgradeAction(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	ids := r.PostForm["saga"]
-	if len(ids) == 0 || len(ids) > bulkLimit {
-		c.failErr(w, r, badInput("the form names %d sagas; an upgrade takes 1 to %d, as the dry run lists them", len(ids), bulkLimit))
+	ids, err := postedSagas(r)
+	if err != nil {
+		c.failErr(w, r, err)
 		return
-	}
-	for _, id := range ids {
-		if err := checkText("a saga id", id); err != nil {
-			c.failErr(w, r, err)
-			return
-		}
 	}
 	d.Filed, d.Result.Matched = true, ids
 	var failed error

@@ -5,7 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -82,21 +82,7 @@ func DeletePoisonTx(ctx context.Context, tx pgx.Tx, schema string, f DeleteFilte
 }
 
 func (f DeleteFilter) describe() string {
-	var parts []string
-	if len(f.IDs) > 0 {
-		ids := make([]string, len(f.IDs))
-		for i, id := range f.IDs {
-			ids[i] = strconv.FormatInt(id, 10)
-		}
-		parts = append(parts, "id "+strings.Join(ids, ","))
-	}
-	if f.Consumer != "" {
-		parts = append(parts, fmt.Sprintf("consumer %q", f.Consumer))
-	}
-	if f.ErrorContains != "" {
-		parts = append(parts, fmt.Sprintf("error containing %q", f.ErrorContains))
-	}
-	return strings.Join(parts, ", ")
+	return describePoison(f.IDs, f.Consumer, time.Time{}, f.ErrorContains, "")
 }
 
 func poisonDBError(schema, what string, err error) error {

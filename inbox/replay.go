@@ -129,25 +129,31 @@ func (f ReplayFilter) check() error {
 
 // describe says what the filter selects, for the error that says it matched nothing.
 func (f ReplayFilter) describe() string {
+	return describePoison(f.IDs, f.Consumer, f.Since, f.ErrorContains, "all")
+}
+
+// describePoison says what a filter of poison rows selects (ReplayFilter, DeleteFilter), for
+// errors and the audit trail; none when it selects everything.
+func describePoison(ids []int64, consumer string, since time.Time, errorContains, none string) string {
 	var parts []string
-	if len(f.IDs) > 0 {
-		ids := make([]string, len(f.IDs))
-		for i, id := range f.IDs {
-			ids[i] = strconv.FormatInt(id, 10)
+	if len(ids) > 0 {
+		s := make([]string, len(ids))
+		for i, id := range ids {
+			s[i] = strconv.FormatInt(id, 10)
 		}
-		parts = append(parts, "id "+strings.Join(ids, ","))
+		parts = append(parts, "id "+strings.Join(s, ","))
 	}
-	if f.Consumer != "" {
-		parts = append(parts, fmt.Sprintf("consumer %q", f.Consumer))
+	if consumer != "" {
+		parts = append(parts, fmt.Sprintf("consumer %q", consumer))
 	}
-	if !f.Since.IsZero() {
-		parts = append(parts, "given up since "+f.Since.UTC().Format(time.RFC3339))
+	if !since.IsZero() {
+		parts = append(parts, "given up since "+since.UTC().Format(time.RFC3339))
 	}
-	if f.ErrorContains != "" {
-		parts = append(parts, fmt.Sprintf("error containing %q", f.ErrorContains))
+	if errorContains != "" {
+		parts = append(parts, fmt.Sprintf("error containing %q", errorContains))
 	}
 	if len(parts) == 0 {
-		return "all"
+		return none
 	}
 	return strings.Join(parts, ", ")
 }
