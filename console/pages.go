@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/audit"
-	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
 )
@@ -508,31 +507,18 @@ func (c *Console) outboxFind(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	v.Searched = true
-	ctx := r.Context()
-	// No index on outbox.event_id (it would cost every business commit): this is one scan of
-	// the waiting rows, as `onceflow outbox find` does.
-	rows, err := c.cfg.DB.Query(ctx, `SELECT id, event_id::text, topic, partition_key, octet_length(payload), metadata, created_at, attempts, coalesce(last_error, '')
-		FROM `+pgsql.Table(c.cfg.Schema, "outbox")+` WHERE event_id = $1::uuid LIMIT 1`, id)
+	// No index on outbox.event_id (it would cost every business commit): Find reads the
+	// waiting rows once, as `onceflow outbox find` does.
+	found, err := c.relay.Find(r.Context(), c.cfg.DB, id)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
-	found, err := pgx.CollectRows(rows, pgx.RowToStructByPos[relay.Row])
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	if len(found) > 0 {
-		v.Where, v.Row = "pending", found[0]
-	} else {
-		parked, err := c.relay.Parked(ctx, c.cfg.DB, relay.ParkedFilter{EventIDs: []string{id}, Limit: 1})
-		if err != nil {
-			c.failErr(w, r, err)
-			return
-		}
-		if len(parked) > 0 {
-			v.Where, v.Parked = "parked", &parked[0]
-		}
+	switch {
+	case len(found.Pending) > 0:
+		v.Where, v.Row = "pending", found.Pending[0].Row
+	case len(found.Parked) > 0:
+		v.Where, v.Parked = "parked", &found.Parked[0].ParkedRow
 	}
 	c.render(w, r, http.StatusOK, "find", v)
 }

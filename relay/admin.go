@@ -99,14 +99,20 @@ type OwnerLeases struct {
 	Live      bool // at least one lease not expired
 }
 
-// Member is a relay's heartbeat row.
+// Member is a relay process, from its heartbeat row (see Admin.Relays).
 type Member struct {
-	ID          string
+	ID          string // the relay's instance id (Config.InstanceID)
 	Host        string
 	PID         int
 	StartedAt   time.Time
 	HeartbeatAt time.Time
-	Live        bool
+	// Live reports whether the row has not expired: the process renewed it recently.
+	Live bool
+	// Shards counts the shards it holds a live lease on.
+	Shards int
+	// HeartbeatAge is how long ago its last heartbeat was, by the database's clock. A live
+	// relay whose heartbeat is old is hung or cannot reach the database.
+	HeartbeatAge time.Duration
 }
 
 // Summary reads the backlog (Backlog: no count of the whole table), the failing rows and
@@ -144,13 +150,8 @@ func (a *Admin) Summary(ctx context.Context, db DB) (Summary, error) {
 	for _, l := range s.Leases {
 		s.Shards += l.Shards
 	}
-	rows, err = db.Query(ctx, `SELECT id, host, pid, started_at, heartbeat_at, expires_at > now() FROM `+a.q.member+` ORDER BY id`)
-	if err != nil {
-		return s, a.wrap("read relay members", err)
-	}
-	s.Members, err = pgx.CollectRows(rows, pgx.RowToStructByPos[Member])
-	if err != nil {
-		return s, a.wrap("read relay members", err)
+	if s.Members, err = a.Relays(ctx, db); err != nil {
+		return s, err
 	}
 	return s, nil
 }

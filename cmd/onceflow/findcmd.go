@@ -14,6 +14,7 @@ import (
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
+	"github.com/onceflow/onceflow/relay"
 )
 
 // foundEvent is where `onceflow outbox find` found an event; --json prints it as is.
@@ -27,7 +28,6 @@ type foundEvent struct {
 	Parked  []foundRow  `json:"parked"`
 	Inbox   *foundDedup `json:"inbox,omitempty"`
 	Note    string      `json:"note,omitempty"`
-	shards  int
 }
 
 type foundRow struct {
@@ -43,6 +43,11 @@ type foundRow struct {
 	ParkedAt  *time.Time        `json:"parked_at,omitempty"`
 	ParkedBy  string            `json:"parked_by,omitempty"`
 	Metadata  map[string]string `json:"metadata"`
+}
+
+func newFoundRow(r relay.Row, l relay.ShardLease) foundRow {
+	return foundRow{ID: r.ID, Topic: r.Topic, Key: r.Key, CreatedAt: r.CreatedAt, Attempts: r.Attempts, LastError: r.LastError,
+		Shard: l.Shard, Owner: l.Owner, OwnerLive: l.OwnerLive, Metadata: r.Metadata}
 }
 
 // foundDedup is the inbox's dedup row of the event for one consumer.
@@ -106,57 +111,24 @@ func (c *cli) outboxFind(ctx context.Context, args []string) error {
 	}
 	defer pool.Close()
 	t := func(name string) string { return pgsql.Table(db.schema, name) }
-	f := &foundEvent{EventID: u.String(), Pending: []foundRow{}, Parked: []foundRow{}}
-	if err := pool.QueryRow(ctx, `SELECT count(*)::int FROM `+t("relay_lease")).Scan(&f.shards); err != nil {
-		return fmt.Errorf("read shard count: %w", err)
+	admin, err := relay.NewAdmin(db.schema)
+	if err != nil {
+		return err
 	}
-	// The owner of a row's shard, as the relay computes it: key_hash % shards.
-	owner := `coalesce((SELECT owner FROM ` + t("relay_lease") + ` l WHERE l.shard = r.key_hash % nullif($2, 0)), ''),
-		coalesce((SELECT expires_at > now() FROM ` + t("relay_lease") + ` l WHERE l.shard = r.key_hash % nullif($2, 0)), false)`
-	scan := func(sql string, parked bool) ([]foundRow, error) {
-		rows, err := pool.Query(ctx, sql, f.EventID, f.shards)
-		if err != nil {
-			return nil, err
-		}
-		defer rows.Close()
-		out := []foundRow{}
-		for rows.Next() {
-			var r foundRow
-			var shard *int64
-			var meta []byte
-			dest := []any{&r.ID, &r.Topic, &r.Key, &r.CreatedAt, &r.Attempts, &r.LastError, &shard, &r.Owner, &r.OwnerLive, &meta}
-			if parked {
-				dest = append(dest, &r.ParkedAt, &r.ParkedBy)
-			}
-			if err := rows.Scan(dest...); err != nil {
-				return nil, err
-			}
-			if shard != nil {
-				r.Shard = int(*shard)
-			}
-			if err := json.Unmarshal(meta, &r.Metadata); err != nil {
-				r.Metadata = map[string]string{"(undecodable)": string(meta)}
-			}
-			out = append(out, r)
-		}
-		return out, rows.Err()
+	found, err := admin.Find(ctx, pool, u.String())
+	if err != nil {
+		return err
 	}
-	cols := `r.id, r.topic, r.partition_key, r.created_at, r.attempts, coalesce(r.last_error, ''), r.key_hash % nullif($2, 0), ` + owner + `, r.metadata`
-	if f.Pending, err = scan(`SELECT `+cols+` FROM `+t("outbox")+` r WHERE r.event_id = $1 ORDER BY r.id`, false); err != nil {
-		return fmt.Errorf("look up the event in %s.outbox: %w", db.schema, err)
+	f := &foundEvent{EventID: found.EventID, Where: found.Where(), Pending: []foundRow{}, Parked: []foundRow{}}
+	for _, r := range found.Pending {
+		f.Pending = append(f.Pending, newFoundRow(r.Row, r.ShardLease))
 	}
-	if f.Parked, err = scan(`SELECT `+cols+`, r.parked_at, r.parked_by FROM `+t("outbox_parked")+` r WHERE r.event_id = $1 ORDER BY r.id`, true); err != nil {
-		return fmt.Errorf("look up the event in %s.outbox_parked: %w", db.schema, err)
+	for _, r := range found.Parked {
+		row := newFoundRow(r.Row, r.ShardLease)
+		row.ParkedAt, row.ParkedBy = &r.ParkedAt, r.ParkedBy
+		f.Parked = append(f.Parked, row)
 	}
-	switch {
-	case len(f.Pending) > 0 && len(f.Parked) > 0:
-		f.Where = "pending+parked"
-	case len(f.Pending) > 0:
-		f.Where = "pending"
-	case len(f.Parked) > 0:
-		f.Where = "parked"
-	default:
-		f.Where = "gone"
+	if f.Where == "gone" {
 		f.Note = "not in the outbox nor parked: published (a row is deleted only after the broker acknowledged it), or its transaction never committed"
 	}
 	if *consumer != "" {
