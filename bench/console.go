@@ -10,6 +10,7 @@ import (
 
 	"github.com/onceflow/onceflow/console"
 	"github.com/onceflow/onceflow/saga"
+	"github.com/onceflow/onceflow/status"
 )
 
 // benchConsole measures the operator console's server time (issues 25 and 35): with 1M sagas
@@ -18,7 +19,7 @@ import (
 // (first page, and a page 10,000 rows deep by keyset) and by a step no saga is at (no index
 // answers it), a saga's page, the page of a saga waiting for the reply to a command already
 // published (looked up in the outbox), and the audit trail, each the median of 20 renders,
-// beside `onceflow status`'s own read (console.ReadStatus) in the same run. Target: ≤ 50 ms
+// beside `onceflow status`'s own read (status.Read) in the same run. Target: ≤ 50 ms
 // each.
 func benchConsole(ctx context.Context, e *env) ([]result, error) {
 	pool, schema, err := e.freshSchema(ctx, "console")
@@ -100,7 +101,7 @@ func benchConsole(ctx context.Context, e *env) ([]result, error) {
 		run    func() error
 	}{
 		{"status", func() error {
-			_, err := console.ReadStatus(ctx, pool, schema, console.DefaultThresholds())
+			_, err := status.Read(ctx, pool, schema, status.DefaultThresholds())
 			return err
 		}},
 		{"overview", page("/")},

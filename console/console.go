@@ -39,6 +39,7 @@ import (
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
+	"github.com/onceflow/onceflow/status"
 )
 
 // DB is what the console needs from the database: a *pgxpool.Pool (or a *pgx.Conn, for a
@@ -62,8 +63,8 @@ type Config struct {
 	// Actions switches on the buttons that change something: saga retry and compensate,
 	// replay of parked outbox rows, deletion of poison rows. Default false: read-only.
 	Actions bool
-	// Thresholds decide what the overview reports stuck. Default: DefaultThresholds().
-	Thresholds Thresholds
+	// Thresholds decide what the overview reports stuck. Default: status.DefaultThresholds().
+	Thresholds status.Thresholds
 	// Refresh is how often the overview reloads itself. Default 10 s; negative: never.
 	Refresh time.Duration
 	// Logger receives one line per action (who, what, outcome). Default slog.Default().
@@ -105,8 +106,8 @@ func (c *Config) validate() error {
 			problems = append(problems, fmt.Sprintf("Hosts[%d] %q is not a host name or host:port like ops.example.com or 127.0.0.1:8080", i, h))
 		}
 	}
-	if c.Thresholds == (Thresholds{}) {
-		c.Thresholds = DefaultThresholds()
+	if c.Thresholds == (status.Thresholds{}) {
+		c.Thresholds = status.DefaultThresholds()
 	}
 	if c.Refresh == 0 {
 		c.Refresh = 10 * time.Second

@@ -17,6 +17,7 @@ import (
 	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
+	"github.com/onceflow/onceflow/status"
 )
 
 // maxParam bounds every text a filter or id takes: enough for any topic, key or saga id,
@@ -53,7 +54,7 @@ func params(r *http.Request, names ...string) (map[string]string, error) {
 }
 
 func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
-	st, err := ReadStatus(r.Context(), c.cfg.DB, c.cfg.Schema, c.cfg.Thresholds)
+	st, err := status.Read(r.Context(), c.cfg.DB, c.cfg.Schema, c.cfg.Thresholds)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -416,9 +417,7 @@ func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) {
 	v := bulkData{Title: act.title + ": requested for " + strconv.Itoa(len(res.Requested)) + " of the " + strconv.Itoa(len(res.Matched)) +
 		" sagas shown, " + strconv.Itoa(len(res.Refused)) + " skipped",
 		Action: action, Result: res, Back: c.link("/sagas") + query("state", p["state"], "name", p["name"])}
-	for _, rf := range res.Refused {
-		v.Refusals = append(v.Refusals, rf.ID+": "+rf.Err.Error())
-	}
+	v.Refusals = refusals(res.Refused)
 	if err != nil {
 		v.Refusals = append(v.Refusals, "stopped: the database failed; the service's log has the error")
 	}

@@ -13,12 +13,13 @@ import (
 	"github.com/onceflow/onceflow/console"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/saga"
+	"github.com/onceflow/onceflow/status"
 )
 
 // The console's server time at scale: 1M sagas (20k stuck, 10k running, the rest finished
 // over the last 11 days), 1M pending outbox rows and 100k poison rows (90k of them replayed
 // history); each page rendered 20 times, the median reported beside the status read
-// (console.ReadStatus, what `onceflow status` runs). Seeding takes a few minutes, so it
+// (status.Read, what `onceflow status` runs). Seeding takes a few minutes, so it
 // runs only when asked:
 //
 //	ONCEFLOW_CONSOLE_SCALE=1 go test -run TestConsoleScale -v ./console/
@@ -116,13 +117,13 @@ func TestConsoleScale(t *testing.T) {
 			}
 		}
 	}
-	th := console.DefaultThresholds()
+	th := status.DefaultThresholds()
 	for _, m := range []struct {
 		name string
 		run  func()
 	}{
-		{"status (console.ReadStatus)", func() {
-			if _, err := console.ReadStatus(ctx, db.Pool, db.Schema, th); err != nil {
+		{"status (status.Read)", func() {
+			if _, err := status.Read(ctx, db.Pool, db.Schema, th); err != nil {
 				t.Fatal(err)
 			}
 		}},

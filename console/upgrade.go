@@ -139,13 +139,7 @@ func (c *Console) requestUpgrade(ctx context.Context, d upgradeData, id string) 
 func refusals(rs []saga.BulkRefusal) []string {
 	out := make([]string, len(rs))
 	for i, rf := range rs {
-		why := strings.TrimPrefix(rf.Err.Error(), "saga: ")
-		if _, rest, ok := strings.Cut(why, `not upgradable: saga "`); ok {
-			if _, w, ok := strings.Cut(rest, `": `); ok {
-				why = w
-			}
-		}
-		out[i] = rf.ID + ": " + why
+		out[i] = rf.ID + ": " + rf.Reason()
 	}
 	return out
 }

@@ -136,3 +136,20 @@ func (a *Admin) wrap(what string, err error) error {
 	}
 	return fmt.Errorf("idempotency: %s in schema %q: %w", what, a.schema, err)
 }
+
+// Expired counts the records past their expiry that the Cleaner would delete now, up to max:
+// the retention backlog, on the expires_at index.
+func (a *Admin) Expired(ctx context.Context, db DB, max int64) (int64, error) {
+	if max < 1 {
+		return 0, fmt.Errorf("idempotency: an expired count needs a cap of at least 1, got %d", max)
+	}
+	rows, err := db.Query(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+a.table+` WHERE expires_at <= now() LIMIT $1) s`, max)
+	if err != nil {
+		return 0, a.wrap("count expired records", err)
+	}
+	n, err := pgx.CollectExactlyOneRow(rows, pgx.RowTo[int64])
+	if err != nil {
+		return 0, a.wrap("count expired records", err)
+	}
+	return n, nil
+}

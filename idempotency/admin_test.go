@@ -70,3 +70,36 @@ func TestAdmin(t *testing.T) {
 		t.Fatalf("audit trail: %+v, %v", es, err)
 	}
 }
+
+// Expired counts what the cleaner would delete now, capped, and the cleaner then deletes
+// exactly that many.
+func TestAdminExpired(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("idempotency_record")+` (owner, idem_key, fingerprint, status, headers, expires_at)
+		SELECT 'orders-api', 'old-' || g, '\x01'::bytea, 200, '{}'::jsonb, now() - interval '1 hour' FROM generate_series(1, 5) g
+		UNION ALL SELECT 'orders-api', 'new-' || g, '\x01'::bytea, 200, '{}'::jsonb, now() + interval '1 hour' FROM generate_series(1, 3) g`); err != nil {
+		t.Fatal(err)
+	}
+	a, err := idempotency.NewAdmin(db.Schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := a.Expired(ctx, db.Pool, 100); err != nil || n != 5 {
+		t.Fatalf("expired: %d, %v", n, err)
+	}
+	if n, err := a.Expired(ctx, db.Pool, 3); err != nil || n != 3 {
+		t.Fatalf("expired, capped at 3: %d, %v", n, err)
+	}
+	if _, err := a.Expired(ctx, db.Pool, 0); err == nil {
+		t.Fatal("a cap of 0 was accepted")
+	}
+	c, err := idempotency.NewCleaner(idempotency.CleanerConfig{Pool: db.Pool, Schema: db.Schema})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := c.Clean(ctx); err != nil || n != 5 {
+		t.Fatalf("the cleaner deleted %d, %v; Expired said 5", n, err)
+	}
+}

@@ -430,7 +430,7 @@ func (a *Admin) RetryTx(ctx context.Context, tx pgx.Tx, id string) error {
 // canRetry refuses a retry of a saga that is not stuck.
 func (a *Admin) canRetry(in *instance) error {
 	if in.State != StateStuck {
-		return fmt.Errorf("%w: saga %q is %s; only a stuck saga can be retried", ErrWrongState, in.ID, in.State)
+		return refused(ErrWrongState, in.ID, "is %s; only a stuck saga can be retried", in.State)
 	}
 	return nil
 }
@@ -438,6 +438,26 @@ func (a *Admin) canRetry(in *instance) error {
 // ErrPastPivot is returned by CompensateTx for a saga on or past its pivot step: it can only
 // go forward, and the orchestrator would drop the request. It wraps ErrWrongState.
 var ErrPastPivot = fmt.Errorf("%w: the saga is past its pivot", ErrWrongState)
+
+// Refusal is the error a request for one saga is refused with (RetryTx, CompensateTx, the
+// bulk and upgrade requests): errors.Is matches its Kind (ErrWrongState, ErrPastPivot,
+// ErrNoLongerMatches or ErrNotUpgradable), and Reason says why in words that follow the
+// saga's id, for lists that name the saga already ("is running; only a stuck saga can be
+// retried").
+type Refusal struct {
+	ID     string
+	Kind   error
+	Reason string
+}
+
+func (e *Refusal) Error() string { return fmt.Sprintf("%v: saga %q: %s", e.Kind, e.ID, e.Reason) }
+
+// Unwrap returns Kind.
+func (e *Refusal) Unwrap() error { return e.Kind }
+
+func refused(kind error, id, format string, args ...any) error {
+	return &Refusal{ID: id, Kind: kind, Reason: fmt.Sprintf(format, args...)}
+}
 
 // CompensateTx asks the orchestrator to stop a running saga and compensate the steps that took
 // effect (including the current one: the barrier makes that a no-op if its action never ran).
@@ -452,15 +472,15 @@ func (a *Admin) CompensateTx(ctx context.Context, tx pgx.Tx, id string) error {
 // canCompensate refuses a compensation of a saga that is not running or is past its pivot.
 func (a *Admin) canCompensate(in *instance) error {
 	if in.State != StateRunning {
-		return fmt.Errorf("%w: saga %q is %s; only a running saga can be compensated", ErrWrongState, in.ID, in.State)
+		return refused(ErrWrongState, in.ID, "is %s; only a running saga can be compensated", in.State)
 	}
 	p := recordedPivot(in) // sagas started since the pivot is recorded with them
 	if d, ok := a.defs[knownKey{in.Name, in.Version}]; ok {
 		p = d.pivotIndex()
 	}
 	if p >= 0 && p < len(in.Steps) && in.Step >= p {
-		return fmt.Errorf("%w: saga %q is at step %q, on or after its pivot %q, and can only go forward; "+
-			"a compensation would be dropped (fix what blocks the step instead)", ErrPastPivot, in.ID, in.Steps[in.Step].Name, in.Steps[p].Name)
+		return refused(ErrPastPivot, in.ID, "is at step %q, on or after its pivot %q, and can only go forward; "+
+			"a compensation would be dropped (fix what blocks the step instead)", in.Steps[in.Step].Name, in.Steps[p].Name)
 	}
 	return nil
 }
@@ -596,6 +616,15 @@ type BulkRefusal struct {
 	Err error // wraps ErrWrongState, ErrPastPivot, ErrNotUpgradable or ErrNotFound
 }
 
+// Reason is why the saga was refused, in words that follow its id: the Refusal's Reason, or
+// the error's text for another failure (a saga not found).
+func (r BulkRefusal) Reason() string {
+	if rf := (*Refusal)(nil); errors.As(r.Err, &rf) {
+		return rf.Reason
+	}
+	return r.Err.Error()
+}
+
 // BulkResult reports a bulk request saga by saga.
 type BulkResult struct {
 	// Matched are the ids the filter selected, newest first, at most Limit.
@@ -664,7 +693,7 @@ func (a *Admin) bulk(ctx context.Context, db TxDB, f ListFilter, o BulkOptions, 
 	// Under the saga's row lock, the whole filter again, then the request's own check.
 	checkAll := func(in *instance) error {
 		if why := f.mismatch(in); why != "" {
-			return fmt.Errorf("%w: saga %q %s", ErrNoLongerMatches, in.ID, why)
+			return refused(ErrNoLongerMatches, in.ID, "%s", why)
 		}
 		return check(in)
 	}

@@ -144,7 +144,7 @@ func declaredUpgrade(def Known, from int) (upgradeTarget, *upgradeDecl, error) {
 func notUpgradable(id string, err error) error {
 	var r *refusal
 	if errors.As(err, &r) {
-		return fmt.Errorf("%w: saga %q: %s", ErrNotUpgradable, id, r.reason)
+		return refused(ErrNotUpgradable, id, "%s", r.reason)
 	}
 	return err
 }
@@ -353,7 +353,7 @@ func (a *Admin) requestUpgrade(ctx context.Context, db DB, tx pgx.Tx, id string,
 	case err != nil:
 		return up, fmt.Errorf("saga: the requests of %q: %w", id, a.st.explain(err))
 	default:
-		return up, fmt.Errorf("%w: saga %q has a %s request pending, which goes first; file the upgrade once it was carried out", ErrWrongState, id, pending)
+		return up, refused(ErrWrongState, id, "has a %s request pending, which goes first; file the upgrade once it was carried out", pending)
 	}
 	if dry {
 		return up, nil

@@ -8,11 +8,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/onceflow/onceflow/console"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/saga"
 	"github.com/onceflow/onceflow/saga/sagatest"
+	"github.com/onceflow/onceflow/status"
 )
 
 // A reply of a version-2 saga reached an orchestrator that has only version 1 and was parked:
@@ -81,7 +81,7 @@ func TestSagaAwaitingVersionCommands(t *testing.T) {
 		t.Fatal(err)
 	}
 	r = runCmd(ctx, env, "status", "--json").expect(t, "status with a reply parked for 10 minutes", exitStuck)
-	var rep console.Status
+	var rep status.Report
 	if err := json.Unmarshal([]byte(r.stdout), &rep); err != nil {
 		t.Fatalf("%v\n%s", err, r.stdout)
 	}

@@ -25,9 +25,9 @@ type cleaner struct {
 	name    string // the table, and the value --only accepts
 	summary string
 	clean   func(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions) (int64, error)
-	// expired is the condition on the rows clean deletes, for --dry-run ($1: the window in
-	// seconds), on the table's age index as the cleaners' own statements are.
-	expired string
+	// expired counts, for --dry-run, the rows clean would delete now, up to max: the owning
+	// package's admin, on the table's age index as the cleaner's own statements are.
+	expired func(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions, max int64) (int64, error)
 }
 
 // cleanupOptions are the flags every cleaner receives.
@@ -50,11 +50,31 @@ type sagaSource struct {
 }
 
 var cleaners = []cleaner{
-	// A barrier row of a live saga is kept however old (see inbox.CleanerConfig.Sagas):
-	// dryRun adds cleaning.NotLiveBarrier for this table.
-	{"processed_event", "inbox dedup rows older than --window (a live saga's barrier rows stay)", cleanProcessedEvents, "processed_at < now() - make_interval(secs => $1)"},
-	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Window)", cleanIdempotencyRecords, "expires_at <= now() AND $1::float8 IS NOT NULL"},
-	{"saga", "sagas that finished (completed or compensated) longer than --window ago", cleanSagas, "finished_at < now() - make_interval(secs => $1)"},
+	// A barrier row of a live saga is kept however old (see inbox.CleanerConfig.Sagas).
+	{"processed_event", "inbox dedup rows older than --window (a live saga's barrier rows stay)", cleanProcessedEvents,
+		func(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions, max int64) (int64, error) {
+			a, err := inbox.NewAdmin(o.schema)
+			if err != nil {
+				return 0, err
+			}
+			return a.Expired(ctx, pool, o.window, max, o.sagas != nil)
+		}},
+	{"idempotency_record", "HTTP idempotency records past their expiry (set by the middleware's Window)", cleanIdempotencyRecords,
+		func(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions, max int64) (int64, error) {
+			a, err := idempotency.NewAdmin(o.schema)
+			if err != nil {
+				return 0, err
+			}
+			return a.Expired(ctx, pool, max)
+		}},
+	{"saga", "sagas that finished (completed or compensated) longer than --window ago", cleanSagas,
+		func(ctx context.Context, pool *pgxpool.Pool, o cleanupOptions, max int64) (int64, error) {
+			a, err := saga.NewAdmin(o.schema)
+			if err != nil {
+				return 0, err
+			}
+			return a.Expired(ctx, pool, o.window, max)
+		}},
 }
 
 // dryRunCap bounds cleanup --dry-run's count per table: counting stops there ("1000000 or
@@ -62,27 +82,20 @@ var cleaners = []cleaner{
 const dryRunCap = 1_000_000
 
 // dryRun prints how many rows each selected cleaner would delete now, and deletes nothing.
-// With elsewhere (--saga-database-url), processed_event's count leaves barrier rows out: which
+// With o.sagas (--saga-database-url), processed_event's count leaves barrier rows out: which
 // of them go is asked of the orchestrator's database during the cleanup itself.
-func dryRun(ctx context.Context, pool *pgxpool.Pool, p *printer, schema string, window time.Duration, selected []cleaner, elsewhere bool) error {
+func dryRun(ctx context.Context, pool *pgxpool.Pool, p *printer, o cleanupOptions, selected []cleaner) error {
 	for _, c := range selected {
-		var n int64
-		expired, note := c.expired, ""
-		if c.name == "processed_event" {
-			if elsewhere {
-				expired += " AND saga_id IS NULL"
-				note = "; expired barrier rows not counted: those of sagas that finished go too, asked of --saga-database-url"
-			} else {
-				expired += " AND " + cleaning.NotLiveBarrier(schema)
-			}
-		}
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+pgsql.Table(schema, c.name)+` WHERE `+expired+` LIMIT $2) s`,
-			window.Seconds(), dryRunCap).Scan(&n); err != nil {
+		n, err := c.expired(ctx, pool, o, dryRunCap)
+		if err != nil {
 			return fmt.Errorf("%s: count expired rows: %w", c.name, err)
 		}
-		more := ""
+		more, note := "", ""
 		if n >= dryRunCap {
 			more = " or more"
+		}
+		if c.name == "processed_event" && o.sagas != nil {
+			note = "; expired barrier rows not counted: those of sagas that finished go too, asked of --saga-database-url"
 		}
 		p.f("%s: %d%s expired rows would be deleted (dry run: nothing deleted)%s\n", c.name, n, more, note)
 	}
@@ -235,11 +248,11 @@ func (c *cli) runCleanup(ctx context.Context, args []string) error {
 		}
 		sagas = &sagaSource{pool: sagaPool, admin: admin}
 	}
-	if *dry {
-		return dryRun(ctx, pool, &printer{w: c.stdout}, db.schema, window, selected, sagas != nil)
-	}
 	logger := slog.New(slog.NewTextHandler(c.stderr, nil))
 	opts := cleanupOptions{schema: db.schema, window: window, allowShort: *allowShort, batchSize: *batchSize, logger: logger, sagas: sagas}
+	if *dry {
+		return dryRun(ctx, pool, &printer{w: c.stdout}, opts, selected)
+	}
 	out := c.stdout // the loop below names each cleaner c
 	cleanAll := func(ctx context.Context) (int64, error) {
 		var total int64

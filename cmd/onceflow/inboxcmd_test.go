@@ -11,10 +11,10 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
-	"github.com/onceflow/onceflow/console"
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
+	"github.com/onceflow/onceflow/status"
 )
 
 // Poison rows recorded by inbox.SettlePoison (what the batched consumer calls) are listed
@@ -109,7 +109,7 @@ func TestInboxPoisonCommands(t *testing.T) {
 	if err := json.Unmarshal([]byte(r.stdout), &rep); err != nil {
 		t.Fatal(err)
 	}
-	if len(rep.InboxPoison) != 2 || rep.InboxPoison[0] != (console.StatusPoison{Consumer: "audit", Count: 1}) || rep.InboxPoison[1] != (console.StatusPoison{Consumer: "billing", Count: 2}) {
+	if len(rep.InboxPoison) != 2 || rep.InboxPoison[0] != (status.Poison{Consumer: "audit", Count: 1}) || rep.InboxPoison[1] != (status.Poison{Consumer: "billing", Count: 2}) {
 		t.Errorf("status --json inbox_poison: %+v", rep.InboxPoison)
 	}
 

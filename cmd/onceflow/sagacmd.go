@@ -434,7 +434,7 @@ func (c *cli) sagaRequest(ctx context.Context, action string, args []string) err
 		p.f("%s requested for saga %s\n", action, id)
 	}
 	for _, r := range res.Refused {
-		p.f("refused saga %s: %s\n", r.ID, withoutPrefix("saga", r.Err))
+		p.f("refused saga %s: %s\n", r.ID, r.Reason())
 	}
 	p.f("%d of %d sagas requested, %d refused%s; a running orchestrator carries the requests out\n", len(res.Requested), len(res.Matched), len(res.Refused), more)
 	if p.err != nil {

@@ -78,7 +78,7 @@ func (c *cli) sagaUpgrade(ctx context.Context, args []string) error {
 		if len(res.Refused) > 0 {
 			p.f("not upgradable now (no request would be filed):\n")
 			for _, r := range res.Refused {
-				p.f("  %s: %s\n", r.ID, refusalText(r.Err))
+				p.f("  %s: %s\n", r.ID, r.Reason())
 			}
 		}
 		p.f("The orchestrator checks the step mapping and the data conversion when it carries a request out; saga.Admin.UpgradeMatching with DryRun shows them in the service.\n")
@@ -88,7 +88,7 @@ func (c *cli) sagaUpgrade(ctx context.Context, args []string) error {
 		p.f("upgrade requested for saga %s (at step %s)\n", u.ID, u.Step)
 	}
 	for _, r := range res.Refused {
-		p.f("refused saga %s: %s\n", r.ID, refusalText(r.Err))
+		p.f("refused saga %s: %s\n", r.ID, r.Reason())
 	}
 	p.f("%d of %d sagas requested, %d refused%s; an orchestrator that has %s of %s carries the requests out: `onceflow saga show ID` shows each upgrade, or why it was refused\n",
 		len(res.Requested), len(res.Matched), len(res.Refused), more, target, *name)
@@ -117,17 +117,6 @@ func newerServed(ctx context.Context, admin *saga.Admin, db saga.DB, name string
 		}
 	}
 	return false, nil
-}
-
-// refusalText is a refusal without the prefixes the list already says.
-func refusalText(err error) string {
-	s := withoutPrefix("saga", err)
-	if _, rest, ok := strings.Cut(s, `not upgradable: saga "`); ok {
-		if _, why, ok := strings.Cut(rest, `": `); ok {
-			return why
-		}
-	}
-	return s
 }
 
 // printUpgrades prints a saga's upgrades and refused upgrades, one line each, for saga show.

@@ -10,17 +10,17 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/onceflow/onceflow/console"
 	"github.com/onceflow/onceflow/inbox"
+	"github.com/onceflow/onceflow/status"
 )
 
 // exitStuck is the status of `onceflow status` when a check failed, so a cron job, a
 // Kubernetes probe or a deploy script can tell "stuck" (4) from "could not look" (1).
 const exitStuck = 4
 
-// statusReport is one look at a schema (console.ReadStatus, which the console's overview
+// statusReport is one look at a schema (status.Read, which the console's overview
 // shows too); --json prints it as is.
-type statusReport = console.Status
+type statusReport = status.Report
 
 const statusSynopsis = `status [flags]
 
@@ -37,7 +37,7 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	asJSON := fs.Bool("json", false, "print the report as JSON (one object per line with --watch)")
 	watch := fs.Bool("watch", false, "refresh every --interval until interrupted")
 	interval := fs.Duration("interval", 2*time.Second, "refresh interval of --watch")
-	var th console.Thresholds
+	var th status.Thresholds
 	fs.DurationVar(&th.MaxOldest, "max-oldest-age", 5*time.Minute, "stuck when the oldest pending row is older than this")
 	fs.Int64Var(&th.MaxParked, "max-parked", 0, "stuck when more rows than this are parked")
 	fs.DurationVar(&th.MaxHeartbeat, "max-heartbeat-age", time.Minute, "stuck when a live relay's last heartbeat is older than this")
@@ -80,7 +80,7 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	}
 	defer pool.Close()
 	for {
-		r, err := console.ReadStatus(ctx, pool, db.schema, th)
+		r, err := status.Read(ctx, pool, db.schema, th)
 		if err != nil {
 			if *watch && ctx.Err() != nil {
 				return nil

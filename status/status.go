@@ -1,21 +1,25 @@
-package console
+// Package status is onceflow's health read model: one look at a schema (relays and shard
+// leases, the outbox backlog, retention backlogs, sagas, timers, inbox poison) through the
+// packages' admins, and the problems it shows against thresholds, each with what to do.
+// `onceflow status` prints it and exits 4 on a problem; the console's overview shows it; a
+// service can serve it from a health endpoint.
+package status
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/onceflow/onceflow/internal/pgsql"
-	cleaning "github.com/onceflow/onceflow/internal/retention"
+	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
 )
 
-// Thresholds decide when a Status reports something stuck; `onceflow status` takes them as
+// Thresholds decide when a Report shows something stuck; `onceflow status` takes them as something stuck; `onceflow status` takes them as
 // its --max-* flags. DefaultThresholds returns the CLI's defaults.
 type Thresholds struct {
 	MaxOldest     time.Duration // oldest pending row older than this
@@ -44,8 +48,8 @@ func DefaultThresholds() Thresholds {
 		MaxSagaAge: time.Hour, Window: 72 * time.Hour, MaxTimerLag: time.Minute, MaxReplayWait: time.Minute, MaxVersionWait: 5 * time.Minute}
 }
 
-// Status is one look at a schema; --json prints it as is.
-type Status struct {
+// Report is one look at a schema; `onceflow status --json` prints it as is.
+type Report struct {
 	Schema    string    `json:"schema"`
 	CheckedAt time.Time `json:"checked_at"`
 	OK        bool      `json:"ok"`
@@ -59,33 +63,33 @@ type Status struct {
 		OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 		Parked           int64   `json:"parked"`
 	} `json:"outbox"`
-	Shards        int           `json:"shards"`
-	ShardsUnowned int           `json:"shards_without_live_owner"`
-	Relays        []StatusRelay `json:"relays"`
-	Retention     []StatusTable `json:"retention"`
-	Sagas         []StatusSagas `json:"sagas"`
+	Shards        int              `json:"shards"`
+	ShardsUnowned int              `json:"shards_without_live_owner"`
+	Relays        []Relay          `json:"relays"`
+	Retention     []RetentionTable `json:"retention"`
+	Sagas         []SagaCount      `json:"sagas"`
 	// InboxPoison counts the messages batched consumers gave up on (inbox_poison), per
 	// consumer; `onceflow inbox poison` lists them.
-	InboxPoison    []StatusPoison `json:"inbox_poison"`
-	SagaStatesNote string         `json:"sagas_note,omitempty"`
+	InboxPoison    []Poison `json:"inbox_poison"`
+	SagaStatesNote string   `json:"sagas_note,omitempty"`
 	// SagasOverAge counts sagas running or compensating for longer than --max-saga-age
 	// (capped, like the retention counts); OldestSaga is the oldest of them.
-	SagasOverAge int64       `json:"sagas_over_age"`
-	OldestSaga   *StatusSaga `json:"oldest_saga,omitempty"`
+	SagasOverAge int64     `json:"sagas_over_age"`
+	OldestSaga   *LongSaga `json:"oldest_saga,omitempty"`
 	// OverdueTimers counts saga timers (step timeouts, re-sends, deadlines) and operator
 	// requests (retry, compensate) due longer ago than MaxTimerLag, capped at
 	// MaxOverdueTimers; OldestOverdue is the most overdue of them.
-	OverdueTimers int64               `json:"overdue_saga_timers"`
-	OldestOverdue *StatusOverdueTimer `json:"oldest_overdue_timer,omitempty"`
+	OverdueTimers int64         `json:"overdue_saga_timers"`
+	OldestOverdue *OverdueTimer `json:"oldest_overdue_timer,omitempty"`
 	// AwaitingVersion counts, per definition name and version, the saga replies parked
 	// because they reached orchestrators without that version registered; an orchestrator
 	// that has it applies them (docs/sagas.md, "Rolling deploys: versions side by side").
-	AwaitingVersion []StatusAwaiting `json:"awaiting_version"`
+	AwaitingVersion []AwaitingVersion `json:"awaiting_version"`
 	thresholds      Thresholds
 }
 
-// StatusAwaiting counts the parked replies of one definition version.
-type StatusAwaiting struct {
+// AwaitingVersion counts the parked replies of one definition version.
+type AwaitingVersion struct {
 	Name    string `json:"name"`
 	Version int    `json:"version"`
 	// Replies and Sagas count the parked replies and the sagas they belong to;
@@ -95,8 +99,8 @@ type StatusAwaiting struct {
 	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 }
 
-// StatusOverdueTimer is a saga timer or operator request that no orchestrator fired.
-type StatusOverdueTimer struct {
+// OverdueTimer is a saga timer or operator request that no orchestrator fired.
+type OverdueTimer struct {
 	SagaID         string  `json:"saga_id"`
 	Name           string  `json:"name"`
 	Kind           string  `json:"kind"`   // step, deadline or operator
@@ -108,8 +112,8 @@ type StatusOverdueTimer struct {
 // million of them (it walks saga_timer_due_at_idx).
 const MaxOverdueTimers = 1000
 
-// StatusRelay is one relay process, from its heartbeat row.
-type StatusRelay struct {
+// Relay is one relay process, from its heartbeat row.
+type Relay struct {
 	ID                  string    `json:"id"`
 	Host                string    `json:"host"`
 	PID                 int       `json:"pid"`
@@ -119,8 +123,8 @@ type StatusRelay struct {
 	HeartbeatAgeSeconds float64   `json:"heartbeat_age_seconds"`
 }
 
-// StatusTable is one table's retention backlog.
-type StatusTable struct {
+// RetentionTable is one table's retention backlog.
+type RetentionTable struct {
 	Table string `json:"table"`
 	// Rule says which rows are past retention.
 	Rule string `json:"rule"`
@@ -130,8 +134,8 @@ type StatusTable struct {
 	Exact   bool  `json:"exact"`
 }
 
-// StatusPoison counts one inbox consumer's poison messages.
-type StatusPoison struct {
+// Poison counts one inbox consumer's poison messages.
+type Poison struct {
 	Consumer string `json:"consumer"`
 	// Count is the messages given up (state poison); replayed rows are not counted.
 	Count int64 `json:"count"`
@@ -141,8 +145,8 @@ type StatusPoison struct {
 	OldestRequestSeconds float64 `json:"oldest_request_seconds,omitempty"`
 }
 
-// StatusSagas counts the unfinished sagas of one definition in one state.
-type StatusSagas struct {
+// SagaCount counts the unfinished sagas of one definition in one state.
+type SagaCount struct {
 	Name  string `json:"name"`
 	State string `json:"state"`
 	Count int64  `json:"count"`
@@ -150,8 +154,8 @@ type StatusSagas struct {
 	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 }
 
-// StatusSaga is one saga that has been running for too long.
-type StatusSaga struct {
+// LongSaga is one saga that has been running for too long.
+type LongSaga struct {
 	ID         string  `json:"id"`
 	Name       string  `json:"name"`
 	State      string  `json:"state"`
@@ -162,137 +166,127 @@ type StatusSaga struct {
 // with a million of them.
 const MaxSagasOverAge = 1000
 
-// ReadStatus reads everything with queries whose cost does not grow with the backlog: the
-// outbox through relay.Admin.Backlog, retention backlogs as counts capped just above the
-// threshold (on the age indexes), sagas by state on saga_state_created_idx (an index-only
-// scan) for the unfinished states only: retention keeps finished ones by the million, and
-// "state NOT IN (finished)" read every one of them (1.5 s at 1M sagas).
-func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*Status, error) {
-	admin, err := relay.NewAdmin(schema)
+// DB is what Read reads with: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+type DB interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Read takes one look at schema through the packages' admins (relay, inbox, idempotency,
+// saga), each read bounded whatever the backlog: the outbox through relay.Admin.Backlog,
+// retention backlogs as counts capped just above th.MaxRetention on the age indexes, sagas by
+// state over the unfinished states only (retention keeps finished ones by the million), long
+// runners and overdue timers capped at MaxSagasOverAge and MaxOverdueTimers.
+func Read(ctx context.Context, db DB, schema string, th Thresholds) (*Report, error) {
+	relays, err := relay.NewAdmin(schema)
 	if err != nil {
 		return nil, err
 	}
-	b, err := admin.Backlog(ctx, pool)
+	inboxes, err := inbox.NewAdmin(schema)
 	if err != nil {
 		return nil, err
 	}
-	r := &Status{Schema: schema, CheckedAt: b.CheckedAt, thresholds: th, Problems: []string{}}
-	r.Outbox.Pending, r.Outbox.PendingExact, r.Outbox.OldestID = b.Rows, b.Exact, b.OldestID
-	r.Outbox.OldestAgeSeconds, r.Outbox.Parked = b.OldestAge().Seconds(), b.Parked
-	t := func(name string) string { return pgsql.Table(schema, name) }
-
-	if err := pool.QueryRow(ctx, `SELECT count(*)::int, count(*) FILTER (WHERE owner = '' OR expires_at <= now()
-		OR NOT EXISTS (SELECT 1 FROM `+t("relay_member")+` m WHERE m.id = l.owner AND m.expires_at > now()))::int FROM `+t("relay_lease")+` l`).
-		Scan(&r.Shards, &r.ShardsUnowned); err != nil {
-		return nil, fmt.Errorf("read shard leases of schema %q: %w", schema, err)
-	}
-	rows, err := pool.Query(ctx, `SELECT m.id, m.host, m.pid,
-			(SELECT count(*) FROM `+t("relay_lease")+` l WHERE l.owner = m.id AND l.expires_at > now())::int,
-			m.expires_at > now(), m.heartbeat_at, extract(epoch FROM now() - m.heartbeat_at)::float8
-		FROM `+t("relay_member")+` m ORDER BY m.id`)
+	records, err := idempotency.NewAdmin(schema)
 	if err != nil {
-		return nil, fmt.Errorf("read relays of schema %q: %w", schema, err)
-	}
-	r.Relays, err = pgx.CollectRows(rows, pgx.RowToStructByPos[StatusRelay])
-	if err != nil {
-		return nil, fmt.Errorf("read relays of schema %q: %w", schema, err)
-	}
-
-	capped := th.MaxRetention + 1
-	for _, tbl := range []struct{ table, rule, where string }{
-		{"processed_event", "processed_at older than the window (not a live saga's barrier row)",
-			"processed_at < now() - make_interval(secs => $2) AND " + cleaning.NotLiveBarrier(schema)},
-		{"idempotency_record", "expires_at passed", "expires_at < now()"},
-		{"saga", "finished longer than the Window ago", "finished_at < now() - make_interval(secs => $2)"},
-	} {
-		st := StatusTable{Table: tbl.table, Rule: tbl.rule}
-		args := []any{capped}
-		if strings.Contains(tbl.where, "$2") {
-			args = append(args, th.Window.Seconds())
-		}
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 FROM `+t(tbl.table)+` WHERE `+tbl.where+` LIMIT $1) s`,
-			args...).Scan(&st.Expired); err != nil {
-			return nil, fmt.Errorf("count expired rows of %s.%s: %w", schema, tbl.table, err)
-		}
-		st.Exact = st.Expired < capped
-		r.Retention = append(r.Retention, st)
-	}
-
-	rows, err = pool.Query(ctx, `SELECT name, state, count(*), extract(epoch FROM now() - min(created_at))::float8 FROM `+t("saga")+`
-		WHERE state IN ('running', 'compensating', 'stuck') GROUP BY name, state ORDER BY name, state`)
-	if err != nil {
-		return nil, fmt.Errorf("count sagas of schema %q: %w", schema, err)
-	}
-	r.Sagas, err = pgx.CollectRows(rows, pgx.RowToStructByPos[StatusSagas])
-	if err != nil {
-		return nil, fmt.Errorf("count sagas of schema %q: %w", schema, err)
-	}
-	// inbox_poison holds only given-up messages, which an operator deletes once handled: a
-	// small table, counted in full.
-	// Replayed rows are history, not problems; a replay request that waits long has no
-	// process of its consumer to apply it.
-	rows, err = pool.Query(ctx, `SELECT consumer, count(*) FILTER (WHERE state = 'poison'), count(*) FILTER (WHERE state = 'replay_requested'),
-		coalesce(extract(epoch FROM now() - min(replay_requested_at) FILTER (WHERE state = 'replay_requested'))::float8, 0)
-		FROM `+t("inbox_poison")+` WHERE state IN ('poison', 'replay_requested') GROUP BY consumer ORDER BY consumer`)
-	if err != nil {
-		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
-	}
-	r.InboxPoison, err = pgx.CollectRows(rows, pgx.RowToStructByPos[StatusPoison])
-	if err != nil {
-		return nil, fmt.Errorf("count poison messages of schema %q: %w", schema, err)
+		return nil, err
 	}
 	sagas, err := saga.NewAdmin(schema)
 	if err != nil {
 		return nil, err
 	}
-	parked, err := sagas.ParkedByVersion(ctx, pool)
+	b, err := relays.Backlog(ctx, db)
 	if err != nil {
 		return nil, err
 	}
-	r.AwaitingVersion = make([]StatusAwaiting, len(parked))
+	r := &Report{Schema: schema, CheckedAt: b.CheckedAt, thresholds: th, Problems: []string{}}
+	r.Outbox.Pending, r.Outbox.PendingExact, r.Outbox.OldestID = b.Rows, b.Exact, b.OldestID
+	r.Outbox.OldestAgeSeconds, r.Outbox.Parked = b.OldestAge().Seconds(), b.Parked
+	age := func(t time.Time) float64 { return r.CheckedAt.Sub(t).Seconds() }
+
+	shards, err := relays.Shards(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r.Shards, r.ShardsUnowned = shards.Total, shards.Unowned
+	members, err := relays.Relays(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r.Relays = make([]Relay, len(members))
+	for i, m := range members {
+		r.Relays[i] = Relay{ID: m.ID, Host: m.Host, PID: m.PID, Shards: m.Shards, Live: m.Live, HeartbeatAt: m.HeartbeatAt,
+			HeartbeatAgeSeconds: m.HeartbeatAge.Seconds()}
+	}
+
+	capped := th.MaxRetention + 1
+	for _, t := range []struct {
+		table, rule string
+		count       func() (int64, error)
+	}{
+		{"processed_event", "processed_at older than the window (not a live saga's barrier row)",
+			func() (int64, error) { return inboxes.Expired(ctx, db, th.Window, capped, false) }},
+		{"idempotency_record", "expires_at passed", func() (int64, error) { return records.Expired(ctx, db, capped) }},
+		{"saga", "finished longer than the Window ago", func() (int64, error) { return sagas.Expired(ctx, db, th.Window, capped) }},
+	} {
+		n, err := t.count()
+		if err != nil {
+			return nil, err
+		}
+		r.Retention = append(r.Retention, RetentionTable{Table: t.table, Rule: t.rule, Expired: n, Exact: n < capped})
+	}
+
+	counts, err := sagas.Unfinished(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r.Sagas = make([]SagaCount, len(counts))
+	for i, c := range counts {
+		r.Sagas[i] = SagaCount{Name: c.Name, State: string(c.State), Count: c.Count, OldestAgeSeconds: age(c.Oldest)}
+	}
+	// Replayed rows are history, not problems; a replay request that waits long has no
+	// process of its consumer to apply it.
+	poison, err := inboxes.PoisonSummary(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r.InboxPoison = make([]Poison, len(poison))
+	for i, p := range poison {
+		r.InboxPoison[i] = Poison{Consumer: p.Consumer, Count: p.Poison, ReplayRequested: p.ReplayRequested}
+		if p.ReplayRequested > 0 {
+			r.InboxPoison[i].OldestRequestSeconds = age(p.OldestRequest)
+		}
+	}
+	parked, err := sagas.ParkedByVersion(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r.AwaitingVersion = make([]AwaitingVersion, len(parked))
 	for i, p := range parked {
-		r.AwaitingVersion[i] = StatusAwaiting{Name: p.Name, Version: p.Version, Replies: p.Replies, Sagas: p.Sagas,
+		r.AwaitingVersion[i] = AwaitingVersion{Name: p.Name, Version: p.Version, Replies: p.Replies, Sagas: p.Sagas,
 			OldestAgeSeconds: p.CheckedAt.Sub(p.Oldest).Seconds()}
 	}
 	r.SagaStatesNote = "finished sagas (completed, compensated) are not counted: `onceflow saga list` lists them"
 	if th.MaxSagaAge > 0 {
 		// Stuck sagas are not counted here: --max-stuck-sagas reports them.
-		over := `FROM ` + t("saga") + ` WHERE state IN ('running', 'compensating') AND created_at < now() - make_interval(secs => $1)`
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 `+over+` LIMIT $2) s`, th.MaxSagaAge.Seconds(), MaxSagasOverAge).
-			Scan(&r.SagasOverAge); err != nil {
-			return nil, fmt.Errorf("count long-running sagas of schema %q: %w", schema, err)
+		long, err := sagas.LongRunning(ctx, db, th.MaxSagaAge, MaxSagasOverAge)
+		if err != nil {
+			return nil, err
 		}
-		if r.SagasOverAge > 0 {
-			var o StatusSaga
-			err := pool.QueryRow(ctx, `SELECT id, name, state, extract(epoch FROM now() - created_at)::float8 `+over+
-				` ORDER BY created_at LIMIT 1`, th.MaxSagaAge.Seconds()).Scan(&o.ID, &o.Name, &o.State, &o.AgeSeconds)
-			switch {
-			case err == nil:
-				r.OldestSaga = &o
-			case !errors.Is(err, pgx.ErrNoRows): // none when it finished in between
-				return nil, fmt.Errorf("find the oldest running saga of schema %q: %w", schema, err)
-			}
+		r.SagasOverAge = long.Count
+		if o := long.Oldest; o != nil {
+			r.OldestSaga = &LongSaga{ID: o.ID, Name: o.Name, State: string(o.State), AgeSeconds: long.CheckedAt.Sub(o.CreatedAt).Seconds()}
 		}
 	}
 	if th.MaxTimerLag > 0 {
-		// Due rows only, on saga_timer_due_at_idx, capped: cheap with any number of timers.
-		due := `FROM ` + t("saga_timer") + ` WHERE due_at < now() - make_interval(secs => $1)`
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT 1 `+due+` LIMIT $2) s`, th.MaxTimerLag.Seconds(), MaxOverdueTimers).
-			Scan(&r.OverdueTimers); err != nil {
-			return nil, fmt.Errorf("count overdue saga timers of schema %q: %w", schema, err)
+		due, err := sagas.OverdueTimers(ctx, db, th.MaxTimerLag, MaxOverdueTimers)
+		if err != nil {
+			return nil, err
 		}
-		if r.OverdueTimers > 0 {
-			var o StatusOverdueTimer
-			err := pool.QueryRow(ctx, `SELECT t.saga_id, coalesce(s.name, ''), t.kind, t.action, extract(epoch FROM now() - t.due_at)::float8
-				FROM `+t("saga_timer")+` t LEFT JOIN `+t("saga")+` s ON s.id = t.saga_id
-				WHERE t.due_at < now() - make_interval(secs => $1) ORDER BY t.due_at LIMIT 1`, th.MaxTimerLag.Seconds()).
-				Scan(&o.SagaID, &o.Name, &o.Kind, &o.Action, &o.OverdueSeconds)
-			switch {
-			case err == nil:
-				r.OldestOverdue = &o
-			case !errors.Is(err, pgx.ErrNoRows): // fired in between
-				return nil, fmt.Errorf("find the most overdue saga timer of schema %q: %w", schema, err)
-			}
+		r.OverdueTimers = due.Count
+		if o := due.Oldest; o != nil {
+			r.OldestOverdue = &OverdueTimer{SagaID: o.SagaID, Name: o.Name, Kind: o.Kind, Action: o.Action,
+				OverdueSeconds: due.CheckedAt.Sub(o.Due).Seconds()}
 		}
 	}
 	r.check()
@@ -300,7 +294,7 @@ func ReadStatus(ctx context.Context, pool DB, schema string, th Thresholds) (*St
 }
 
 // check fills Problems and OK from the thresholds.
-func (r *Status) check() {
+func (r *Report) check() {
 	th := r.thresholds
 	add := func(format string, args ...any) { r.Problems = append(r.Problems, fmt.Sprintf(format, args...)) }
 	oldest := time.Duration(r.Outbox.OldestAgeSeconds * float64(time.Second))

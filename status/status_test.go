@@ -1,0 +1,117 @@
+package status_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/onceflow/onceflow/internal/testdb"
+	"github.com/onceflow/onceflow/status"
+)
+
+// Read sees each table through its package's admin: a seeded schema shows every section, and
+// each problem names what to do.
+func TestRead(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	th := status.DefaultThresholds()
+
+	r, err := status.Read(ctx, db.Pool, db.Schema, th)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !r.OK || len(r.Problems) != 0 || r.Outbox.Pending != 0 || len(r.Relays) != 0 {
+		t.Fatalf("an empty schema: %+v", r)
+	}
+
+	for _, sql := range []string{
+		`INSERT INTO ` + db.Table("outbox") + ` (event_id, topic, partition_key, key_hash, payload, created_at)
+			VALUES (gen_random_uuid(), 'orders', 'k1', 5, 'x', now() - interval '10 minutes')`,
+		`INSERT INTO ` + db.Table("relay_member") + ` (id, host, pid, heartbeat_at, expires_at)
+			VALUES ('relay-a', 'host-a', 42, now() - interval '2 minutes', now() + interval '1 minute'),
+			       ('relay-b', 'host-b', 43, now() - interval '1 hour', now() - interval '59 minutes')`,
+		`INSERT INTO ` + db.Table("relay_lease") + ` (shard, owner, epoch, expires_at)
+			VALUES (0, 'relay-a', 1, now() + interval '1 minute'), (1, 'relay-b', 1, now() - interval '59 minutes')`,
+		// Three dedup rows past the window, one of them a live saga's barrier row.
+		`INSERT INTO ` + db.Table("processed_event") + ` (consumer, dedup_key, processed_at, saga_id)
+			VALUES ('billing', 'a', now() - interval '100 hours', NULL), ('billing', 'b', now() - interval '100 hours', NULL),
+			       ('billing', 'c', now() - interval '100 hours', 's-run')`,
+		`INSERT INTO ` + db.Table("saga") + ` (id, name, version, state, data, steps, error, created_at)
+			VALUES ('s-stuck', 'checkout', 1, 'stuck', '{}', '[]', 'refund failed', now()),
+			       ('s-run', 'checkout', 1, 'running', '{}', '[]', '', now() - interval '3 hours')`,
+		`INSERT INTO ` + db.Table("saga_timer") + ` (saga_id, kind, action, step, due_at)
+			VALUES ('s-run', 'step', 'timeout', 0, now() - interval '10 minutes')`,
+		`INSERT INTO ` + db.Table("inbox_poison") + ` (consumer, message_uuid, source, attempts, error, metadata, payload)
+			VALUES ('billing', 'm1', 'orders', 5, 'card declined', '{}', 'x')`,
+	} {
+		if _, err := db.Pool.Exec(ctx, sql); err != nil {
+			t.Fatalf("%v\n%s", err, sql)
+		}
+	}
+	r, err = status.Read(ctx, db.Pool, db.Schema, th)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.OK || r.Outbox.Pending != 1 || r.Outbox.OldestAgeSeconds < 590 {
+		t.Errorf("outbox: %+v", r.Outbox)
+	}
+	if r.Shards != 2 || r.ShardsUnowned != 1 || len(r.Relays) != 2 || !r.Relays[0].Live || r.Relays[0].Shards != 1 || r.Relays[1].Live {
+		t.Errorf("relays: %d shards, %d unowned, %+v", r.Shards, r.ShardsUnowned, r.Relays)
+	}
+	if r.Retention[0].Table != "processed_event" || r.Retention[0].Expired != 2 || !r.Retention[0].Exact {
+		t.Errorf("retention (the live saga's barrier row is not counted): %+v", r.Retention)
+	}
+	if len(r.Sagas) != 2 || r.Sagas[0].State != "running" || r.Sagas[1].State != "stuck" || r.Sagas[0].OldestAgeSeconds < 3*3600-60 {
+		t.Errorf("sagas: %+v", r.Sagas)
+	}
+	if r.SagasOverAge != 1 || r.OldestSaga == nil || r.OldestSaga.ID != "s-run" {
+		t.Errorf("long-running: %d, %+v", r.SagasOverAge, r.OldestSaga)
+	}
+	if r.OverdueTimers != 1 || r.OldestOverdue == nil || r.OldestOverdue.Name != "checkout" || r.OldestOverdue.OverdueSeconds < 590 {
+		t.Errorf("overdue timers: %d, %+v", r.OverdueTimers, r.OldestOverdue)
+	}
+	if len(r.InboxPoison) != 1 || r.InboxPoison[0] != (status.Poison{Consumer: "billing", Count: 1}) {
+		t.Errorf("poison: %+v", r.InboxPoison)
+	}
+	all := strings.Join(r.Problems, "\n")
+	for _, want := range []string{"relay \"relay-a\" on host-a last beat", "waits for", "1 sagas stuck", "longer than 1h0m0s",
+		"saga timers and operator requests are overdue", "1 inbox message given up as poison"} {
+		if !strings.Contains(all, want) {
+			t.Errorf("problems lack %q:\n%s", want, all)
+		}
+	}
+
+	if _, err := status.Read(ctx, db.Pool, "bad-schema;", th); err == nil {
+		t.Error("a bad schema name was accepted")
+	}
+	if _, err := status.Read(ctx, db.Pool, "never_migrated", th); err == nil || !strings.Contains(err.Error(), "migrate") {
+		t.Errorf("an unmigrated schema: %v", err)
+	}
+}
+
+// The thresholds decide what is a problem: the same report passes with loose ones.
+func TestThresholds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("saga")+` (id, name, version, state, data, steps, error)
+		VALUES ('s-1', 'checkout', 1, 'stuck', '{}', '[]', 'refund failed')`); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		stuck int64
+		ok    bool
+	}{{"strict", 0, false}, {"loose", 1, true}} {
+		th := status.DefaultThresholds()
+		th.MaxStuckSagas = tc.stuck
+		r, err := status.Read(ctx, db.Pool, db.Schema, th)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.OK != tc.ok {
+			t.Errorf("%s: OK %v, problems %q", tc.name, r.OK, r.Problems)
+		}
+	}
+}
