@@ -17,19 +17,17 @@ type auditPage struct {
 // row's page shows.
 const auditLimit = 100
 
-func (c *Console) auditList(w http.ResponseWriter, r *http.Request) {
+func (c *Console) auditList(w http.ResponseWriter, r *http.Request) error {
 	var before int64
 	if b := r.URL.Query().Get("before"); b != "" {
 		var err error
 		if before, err = strconv.ParseInt(b, 10, 64); err != nil || before < 1 {
-			c.failErr(w, r, badInput("before %q is not a record id from this page", b))
-			return
+			return badInput("before %q is not a record id from this page", b)
 		}
 	}
 	es, err := audit.List(r.Context(), c.cfg.DB, c.cfg.Schema, audit.Filter{Before: before, Limit: auditLimit + 1})
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := auditPage{Entries: es}
 	if len(es) > auditLimit {
@@ -37,6 +35,7 @@ func (c *Console) auditList(w http.ResponseWriter, r *http.Request) {
 		v.Next = v.Entries[auditLimit-1].ID
 	}
 	c.render(w, r, http.StatusOK, "audit", v)
+	return nil
 }
 
 // The actions recorded on a saga, and on a poison row.

@@ -166,36 +166,34 @@ func (c *Console) routes() {
 	m := http.NewServeMux()
 	static, _ := fs.Sub(staticFS, "static")
 	m.Handle("GET /static/", http.StripPrefix("/static/", http.FileServerFS(static)))
-	m.HandleFunc("GET /{$}", c.overview)
-	m.HandleFunc("GET /sagas", c.sagaList)
-	m.HandleFunc("GET /sagas/{id}", c.sagaPage)
-	m.HandleFunc("GET /sagas/{id}/{action}", c.sagaConfirm)
-	m.HandleFunc("POST /sagas/{id}/{action}", c.sagaAction)
-	m.HandleFunc("GET /versions", c.versions)
-	m.HandleFunc("GET /audit", c.auditList)
-	m.HandleFunc("GET /versions/{name}/{version}/upgrade", c.upgradeConfirm)
-	m.HandleFunc("POST /versions/{name}/{version}/upgrade", c.upgradeAction)
-	m.HandleFunc("GET /bulk/sagas/{action}", c.bulkConfirm)
-	m.HandleFunc("POST /bulk/sagas/{action}", c.bulkAction)
-	m.HandleFunc("GET /outbox", c.outboxPage)
-	m.HandleFunc("GET /outbox/find", c.outboxFind)
-	m.HandleFunc("GET /outbox/parked", c.outboxParked)
-	m.HandleFunc("GET /outbox/replay", c.outboxReplayConfirm)
-	m.HandleFunc("POST /outbox/replay", c.outboxReplay)
-	m.HandleFunc("GET /inbox", c.inboxPage)
-	m.HandleFunc("GET /inbox/delete", c.poisonBulkConfirm)
-	m.HandleFunc("POST /inbox/delete", c.poisonBulkDelete)
-	m.HandleFunc("GET /inbox/replay", c.poisonBulkReplayConfirm)
-	m.HandleFunc("POST /inbox/replay", c.poisonBulkReplay)
-	m.HandleFunc("GET /inbox/{id}", c.poisonPage)
-	m.HandleFunc("GET /inbox/{id}/delete", c.poisonDeleteConfirm)
-	m.HandleFunc("POST /inbox/{id}/delete", c.poisonDelete)
-	m.HandleFunc("GET /inbox/{id}/replay", c.poisonReplayConfirm)
-	m.HandleFunc("POST /inbox/{id}/replay", c.poisonReplay)
-	m.HandleFunc("GET /idempotency", c.idempotencyPage)
-	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
-		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
-	})
+	m.Handle("GET /{$}", c.page(c.overview))
+	m.Handle("GET /sagas", c.page(c.sagaList))
+	m.Handle("GET /sagas/{id}", c.page(c.sagaPage))
+	m.Handle("GET /sagas/{id}/{action}", c.page(c.sagaConfirm))
+	m.Handle("POST /sagas/{id}/{action}", c.action(c.sagaAction))
+	m.Handle("GET /versions", c.page(c.versions))
+	m.Handle("GET /audit", c.page(c.auditList))
+	m.Handle("GET /versions/{name}/{version}/upgrade", c.page(c.upgradeConfirm))
+	m.Handle("POST /versions/{name}/{version}/upgrade", c.action(c.upgradeAction))
+	m.Handle("GET /bulk/sagas/{action}", c.page(c.bulkConfirm))
+	m.Handle("POST /bulk/sagas/{action}", c.action(c.bulkAction))
+	m.Handle("GET /outbox", c.page(c.outboxPage))
+	m.Handle("GET /outbox/find", c.page(c.outboxFind))
+	m.Handle("GET /outbox/parked", c.page(c.outboxParked))
+	m.Handle("GET /outbox/replay", c.page(c.outboxReplayConfirm))
+	m.Handle("POST /outbox/replay", c.action(c.outboxReplay))
+	m.Handle("GET /inbox", c.page(c.inboxPage))
+	m.Handle("GET /inbox/delete", c.page(c.poisonBulkConfirm))
+	m.Handle("POST /inbox/delete", c.action(c.poisonBulkDelete))
+	m.Handle("GET /inbox/replay", c.page(c.poisonBulkReplayConfirm))
+	m.Handle("POST /inbox/replay", c.action(c.poisonBulkReplay))
+	m.Handle("GET /inbox/{id}", c.page(c.poisonPage))
+	m.Handle("GET /inbox/{id}/delete", c.page(c.poisonDeleteConfirm))
+	m.Handle("POST /inbox/{id}/delete", c.action(c.poisonDelete))
+	m.Handle("GET /inbox/{id}/replay", c.page(c.poisonReplayConfirm))
+	m.Handle("POST /inbox/{id}/replay", c.action(c.poisonReplay))
+	m.Handle("GET /idempotency", c.page(c.idempotencyPage))
+	m.Handle("/", c.page(func(http.ResponseWriter, *http.Request) error { return errNoPage }))
 	c.mux = m
 }
 
@@ -259,23 +257,69 @@ func userOf(r *http.Request) string {
 	return "anonymous"
 }
 
-// errBadInput marks an error caused by the request (a 400), as opposed to the database.
-var errBadInput = errors.New("bad input")
-
-func badInput(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", errBadInput, fmt.Sprintf(format, args...))
+// pageError is an error a handler returns to answer with its own status and message: the
+// request's fault (400), a page or row that does not exist (404), a refused post (403).
+type pageError struct {
+	status int
+	msg    string
 }
 
-// failErr renders the page for err: 400 with its text for bad input or a saga the request
-// does not apply to, 404 for a missing saga, 500 (text logged, not shown) otherwise: a
-// database error can name internals an operator's browser need not see.
+func (e *pageError) Error() string { return e.msg }
+
+func pageErr(status int, msg string) error { return &pageError{status: status, msg: msg} }
+
+// badInput is the 400 answer to a request the console cannot act on, saying why.
+func badInput(format string, args ...any) error {
+	return &pageError{status: http.StatusBadRequest, msg: fmt.Sprintf(format, args...)}
+}
+
+// errNoPage answers an address with no page.
+var errNoPage = pageErr(http.StatusNotFound, "There is no page at this address.")
+
+// inputText is the message of a request's own error (bad input), ok false for any other
+// error (the database's).
+func inputText(err error) (msg string, ok bool) {
+	var pe *pageError
+	if errors.As(err, &pe) && pe.status == http.StatusBadRequest {
+		return pe.msg, true
+	}
+	return "", false
+}
+
+// page adapts a handler that returns its failure: every page's errors are answered in one
+// place (failErr).
+func (c *Console) page(h func(http.ResponseWriter, *http.Request) error) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if err := h(w, r); err != nil {
+			c.failErr(w, r, err)
+		}
+	})
+}
+
+// action adapts a handler of a form's POST: checkPost first (actions on, an operator's
+// credential, the CSRF token, the origin), then the handler, its failure answered by failErr.
+func (c *Console) action(h func(http.ResponseWriter, *http.Request) error) http.Handler {
+	return c.page(func(w http.ResponseWriter, r *http.Request) error {
+		if err := c.checkPost(w, r); err != nil {
+			return err
+		}
+		return h(w, r)
+	})
+}
+
+// failErr renders the page for err: its own status for a pageError, 400 with its text for a
+// request the packages refuse (a saga in another state, a bad filter, an empty replay
+// filter, a poison row missing or refused), 404 for a missing saga, 500 (text logged, not
+// shown) otherwise: a database error can name internals an operator's browser need not see.
 func (c *Console) failErr(w http.ResponseWriter, r *http.Request, err error) {
+	var pe *pageError
 	switch {
-	case errors.Is(err, errBadInput):
-		c.fail(w, r, http.StatusBadRequest, strings.TrimPrefix(err.Error(), errBadInput.Error()+": "))
+	case errors.As(err, &pe):
+		c.fail(w, r, pe.status, pe.msg)
 	case errors.Is(err, saga.ErrNotFound):
 		c.fail(w, r, http.StatusNotFound, err.Error())
-	case errors.Is(err, saga.ErrWrongState), errors.Is(err, saga.ErrBadFilter), errors.Is(err, relay.ErrEmptyReplayFilter):
+	case errors.Is(err, saga.ErrWrongState), errors.Is(err, saga.ErrBadFilter), errors.Is(err, relay.ErrEmptyReplayFilter),
+		errors.Is(err, inbox.ErrNoPoisonRow), errors.Is(err, inbox.ErrReplayRefused):
 		c.fail(w, r, http.StatusBadRequest, err.Error())
 	case r.Context().Err() != nil:
 		// The client went away; nothing to render.

@@ -53,13 +53,13 @@ func params(r *http.Request, names ...string) (map[string]string, error) {
 	return out, nil
 }
 
-func (c *Console) overview(w http.ResponseWriter, r *http.Request) {
+func (c *Console) overview(w http.ResponseWriter, r *http.Request) error {
 	st, err := status.Read(r.Context(), c.cfg.DB, c.cfg.Schema, c.cfg.Thresholds)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	c.render(w, r, http.StatusOK, "overview", st)
+	return nil
 }
 
 // sagaFilterNames are the saga list's query parameters (and the bulk actions' filter).
@@ -115,16 +115,14 @@ type sagaListPage struct {
 	BulkRetry, BulkCompensate string
 }
 
-func (c *Console) sagaList(w http.ResponseWriter, r *http.Request) {
+func (c *Console) sagaList(w http.ResponseWriter, r *http.Request) error {
 	f, p, err := sagaFilter(r)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	page, err := c.sagas.ListPage(r.Context(), c.cfg.DB, f)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := sagaListPage{F: p, Page: page,
 		States: []saga.State{saga.StateRunning, saga.StateCompensating, saga.StateStuck, saga.StateCompleted, saga.StateCompensated}}
@@ -145,6 +143,7 @@ func (c *Console) sagaList(w http.ResponseWriter, r *http.Request) {
 		v.Next = c.link("/sagas") + "?" + q.Encode()
 	}
 	c.render(w, r, http.StatusOK, "sagas", v)
+	return nil
 }
 
 // sagaID reads and checks the {id} of a saga URL.
@@ -178,28 +177,24 @@ type sagaPageData struct {
 	Audit     []audit.Entry // operators' actions on the saga, newest first
 }
 
-func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
+func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) error {
 	id, err := sagaID(r)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	d, err := c.sagas.Get(r.Context(), c.cfg.DB, id)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := sagaPageData{D: d, Timeline: timeline(d), CanRetry: d.State == saga.StateStuck, CanComp: d.State == saga.StateRunning}
 	if v.Barriers, err = c.sagas.Barriers(r.Context(), c.cfg.DB, d); err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	if past, _ := c.sagas.PastPivot(d); past {
 		v.CanComp, v.PastPivot = false, true
 	}
 	if v.Audit, err = c.auditOf(r, d.ID, sagaAuditActions); err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	// traceparent: version-traceid-spanid-flags.
 	if parts := strings.Split(d.TraceParent, "-"); len(parts) == 4 {
@@ -212,6 +207,7 @@ func (c *Console) sagaPage(w http.ResponseWriter, r *http.Request) {
 		v.Requested = "Compensation requested: a running orchestrator carries it out within its timer interval."
 	}
 	c.render(w, r, http.StatusOK, "saga", v)
+	return nil
 }
 
 // timeline orders what the saga's history records: steps started and finished, every command
@@ -267,21 +263,18 @@ type confirmData struct {
 	PostIDs []string
 }
 
-func (c *Console) sagaConfirm(w http.ResponseWriter, r *http.Request) {
+func (c *Console) sagaConfirm(w http.ResponseWriter, r *http.Request) error {
 	id, err := sagaID(r)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	act, ok := sagaActions[r.PathValue("action")]
 	if !ok {
-		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
-		return
+		return errNoPage
 	}
 	d, err := c.sagas.Get(r.Context(), c.cfg.DB, id)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	back := c.link("/sagas/" + url.PathEscape(id))
 	v := confirmData{Title: act.title + " saga " + id, Effect: act.title + " " + act.effect, Action: back + "/" + r.PathValue("action"), Back: back}
@@ -291,21 +284,17 @@ func (c *Console) sagaConfirm(w http.ResponseWriter, r *http.Request) {
 		v.Refusal = "The saga is at step " + d.Step + ", on or past its pivot: it can only go forward, and the orchestrator would drop a compensation."
 	}
 	c.render(w, r, http.StatusOK, "confirm", v)
+	return nil
 }
 
-func (c *Console) sagaAction(w http.ResponseWriter, r *http.Request) {
-	if !c.checkPost(w, r) {
-		return
-	}
+func (c *Console) sagaAction(w http.ResponseWriter, r *http.Request) error {
 	id, err := sagaID(r)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	action := r.PathValue("action")
 	if _, ok := sagaActions[action]; !ok {
-		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
-		return
+		return errNoPage
 	}
 	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
 		if action == "retry" {
@@ -315,10 +304,10 @@ func (c *Console) sagaAction(w http.ResponseWriter, r *http.Request) {
 	})
 	c.logAction(r, "saga "+action, err, "saga_id", id)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	http.Redirect(w, r, c.link("/sagas/"+url.PathEscape(id))+"?requested="+action, http.StatusSeeOther)
+	return nil
 }
 
 // bulkLimit is how many sagas one bulk action acts on; the page says when more match.
@@ -361,22 +350,19 @@ func bulkFilter(get func(string) string) (saga.ListFilter, map[string]string, er
 	return f, p, nil
 }
 
-func (c *Console) bulkConfirm(w http.ResponseWriter, r *http.Request) {
+func (c *Console) bulkConfirm(w http.ResponseWriter, r *http.Request) error {
 	action := r.PathValue("action")
 	act, ok := sagaActions[action]
 	if !ok {
-		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
-		return
+		return errNoPage
 	}
 	f, p, err := bulkFilter(r.URL.Query().Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	res, err := c.bulk(r, action, f, true, nil)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := confirmData{Title: act.title + " the selected sagas", Action: c.link("/bulk/sagas/" + action), Back: c.link("/sagas") + "?" + r.URL.RawQuery,
 		Effect: act.title + " " + act.effect + " It is filed for each saga listed here, in its own transaction, and only if the saga still matches the filter then: " +
@@ -386,33 +372,27 @@ func (c *Console) bulkConfirm(w http.ResponseWriter, r *http.Request) {
 		v.Refusal = "No saga matches this filter: there is nothing to " + action + "."
 	}
 	c.render(w, r, http.StatusOK, "confirm", v)
+	return nil
 }
 
-func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) {
-	if !c.checkPost(w, r) {
-		return
-	}
+func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) error {
 	action := r.PathValue("action")
 	act, ok := sagaActions[action]
 	if !ok {
-		c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
-		return
+		return errNoPage
 	}
 	f, p, err := bulkFilter(r.PostForm.Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	ids, err := postedSagas(r)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	res, err := c.bulk(r, action, f, false, ids)
 	c.logAction(r, "saga bulk "+action, err, "filter", p, "requested", len(res.Requested), "refused", len(res.Refused), "saga_ids", res.Requested)
 	if err != nil && len(res.Requested) == 0 {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := bulkData{Title: act.title + ": requested for " + strconv.Itoa(len(res.Requested)) + " of the " + strconv.Itoa(len(res.Matched)) +
 		" sagas shown, " + strconv.Itoa(len(res.Refused)) + " skipped",
@@ -422,6 +402,7 @@ func (c *Console) bulkAction(w http.ResponseWriter, r *http.Request) {
 		v.Refusals = append(v.Refusals, "stopped: the database failed; the service's log has the error")
 	}
 	c.render(w, r, http.StatusOK, "bulk", v)
+	return nil
 }
 
 func (c *Console) bulk(r *http.Request, action string, f saga.ListFilter, dry bool, ids []string) (saga.BulkResult, error) {
@@ -456,30 +437,27 @@ type outboxData struct {
 	CheckedAt time.Time
 }
 
-func (c *Console) outboxPage(w http.ResponseWriter, r *http.Request) {
+func (c *Console) outboxPage(w http.ResponseWriter, r *http.Request) error {
 	p, err := params(r, "topic", "key")
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	ctx := r.Context()
 	b, err := c.relay.Backlog(ctx, c.cfg.DB)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := outboxData{Backlog: b, Sample: pendingSample, Topic: p["topic"], Key: p["key"], CheckedAt: b.CheckedAt}
 	if v.Keys, err = c.relay.PendingByKey(ctx, c.cfg.DB, pendingSample, 200); err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	if v.Topic != "" || v.Key != "" {
 		if v.Rows, err = c.relay.Pending(ctx, c.cfg.DB, relay.PendingFilter{Topic: v.Topic, Key: v.Key, Limit: 100}); err != nil {
-			c.failErr(w, r, err)
-			return
+			return err
 		}
 	}
 	c.render(w, r, http.StatusOK, "outbox", v)
+	return nil
 }
 
 type findData struct {
@@ -490,28 +468,25 @@ type findData struct {
 	Parked   *relay.ParkedRow
 }
 
-func (c *Console) outboxFind(w http.ResponseWriter, r *http.Request) {
+func (c *Console) outboxFind(w http.ResponseWriter, r *http.Request) error {
 	id, err := param(r, "event_id")
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := findData{EventID: id}
 	if id == "" {
 		c.render(w, r, http.StatusOK, "find", v)
-		return
+		return nil
 	}
 	if _, err := uuid.Parse(id); err != nil {
-		c.failErr(w, r, badInput("event id %q is not a UUID", id))
-		return
+		return badInput("event id %q is not a UUID", id)
 	}
 	v.Searched = true
 	// No index on outbox.event_id (it would cost every business commit): Find reads the
 	// waiting rows once, as `onceflow outbox find` does.
 	found, err := c.relay.Find(r.Context(), c.cfg.DB, id)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	switch {
 	case len(found.Pending) > 0:
@@ -520,6 +495,7 @@ func (c *Console) outboxFind(w http.ResponseWriter, r *http.Request) {
 		v.Where, v.Parked = "parked", &found.Parked[0].ParkedRow
 	}
 	c.render(w, r, http.StatusOK, "find", v)
+	return nil
 }
 
 // parkedFilter reads a parked-row filter from a form or query: id (comma-separated),
@@ -563,25 +539,22 @@ type parkedData struct {
 	Replayed string
 }
 
-func (c *Console) outboxParked(w http.ResponseWriter, r *http.Request) {
+func (c *Console) outboxParked(w http.ResponseWriter, r *http.Request) error {
 	f, p, err := parkedFilter(r.URL.Query().Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	if a := r.URL.Query().Get("after"); a != "" {
 		n, err := strconv.ParseInt(a, 10, 64)
 		if err != nil || n < 0 {
-			c.failErr(w, r, badInput("after %q is not a row id", a))
-			return
+			return badInput("after %q is not a row id", a)
 		}
 		f.AfterID = n
 	}
 	f.Limit = 100
 	rows, err := c.relay.Parked(r.Context(), c.cfg.DB, f)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := parkedData{F: p, Rows: rows}
 	if len(rows) == f.Limit {
@@ -591,25 +564,23 @@ func (c *Console) outboxParked(w http.ResponseWriter, r *http.Request) {
 		v.Replayed = strconv.Itoa(n) + " parked rows moved back into the outbox; the relays publish them with their original event ids."
 	}
 	c.render(w, r, http.StatusOK, "parked", v)
+	return nil
 }
 
 // replayDryRunCap bounds the dry run's count: a replay larger than this is shown as "more".
 const replayDryRunCap = 100_000
 
-func (c *Console) outboxReplayConfirm(w http.ResponseWriter, r *http.Request) {
+func (c *Console) outboxReplayConfirm(w http.ResponseWriter, r *http.Request) error {
 	f, p, err := parkedFilter(r.URL.Query().Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	n, first, err := c.relay.CountParked(r.Context(), c.cfg.DB, f, replayDryRunCap, 20)
 	if errors.Is(err, relay.ErrEmptyReplayFilter) {
-		c.failErr(w, r, badInput("choose the parked rows to replay: an id, an event id, a topic, a key, or all"))
-		return
+		return badInput("choose the parked rows to replay: an id, an event id, a topic, a key, or all")
 	}
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := confirmData{Title: "Replay parked outbox rows", Action: c.link("/outbox/replay"), Back: c.link("/outbox/parked"),
 		Effect: "Replay moves the selected parked rows back into the outbox with their original event ids, payloads and keys " +
@@ -622,20 +593,16 @@ func (c *Console) outboxReplayConfirm(w http.ResponseWriter, r *http.Request) {
 		v.Refusal = "No parked row matches this filter: there is nothing to replay."
 	}
 	c.render(w, r, http.StatusOK, "confirm", v)
+	return nil
 }
 
-func (c *Console) outboxReplay(w http.ResponseWriter, r *http.Request) {
-	if !c.checkPost(w, r) {
-		return
-	}
+func (c *Console) outboxReplay(w http.ResponseWriter, r *http.Request) error {
 	f, p, err := parkedFilter(r.PostForm.Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	if f.IDs == nil && f.EventIDs == nil && f.Topic == "" && f.Key == "" && !f.All {
-		c.failErr(w, r, badInput("choose the parked rows to replay: an id, an event id, a topic, a key, or all"))
-		return
+		return badInput("choose the parked rows to replay: an id, an event id, a topic, a key, or all")
 	}
 	var moved []relay.Replayed
 	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
@@ -648,8 +615,8 @@ func (c *Console) outboxReplay(w http.ResponseWriter, r *http.Request) {
 	}
 	c.logAction(r, "outbox replay", err, "filter", p, "moved", len(moved))
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	http.Redirect(w, r, c.link("/outbox/parked")+"?replayed="+strconv.Itoa(len(moved)), http.StatusSeeOther)
+	return nil
 }

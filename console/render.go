@@ -103,27 +103,22 @@ func validToken(s string) bool {
 }
 
 // checkPost refuses a POST unless actions are on, its form's CSRF token equals the cookie's
-// and, when the browser says where it comes from, it comes from this host. It writes the
-// refusal itself and returns false.
-func (c *Console) checkPost(w http.ResponseWriter, r *http.Request) bool {
+// and it comes from this host; the refusal is a pageError.
+func (c *Console) checkPost(w http.ResponseWriter, r *http.Request) error {
 	if !c.cfg.Actions {
-		c.fail(w, r, http.StatusForbidden, "This console is read-only: actions are switched off (console.Config.Actions, `onceflow ui --actions`).")
-		return false
+		return pageErr(http.StatusForbidden, "This console is read-only: actions are switched off (console.Config.Actions, `onceflow ui --actions`).")
 	}
 	if roleOf(r) == Viewer {
-		c.fail(w, r, http.StatusForbidden, "Refused: your credential is a viewer's, which reads and changes nothing; an operator's credential acts.")
-		return false
+		return pageErr(http.StatusForbidden, "Refused: your credential is a viewer's, which reads and changes nothing; an operator's credential acts.")
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
 	if err := r.ParseForm(); err != nil {
-		c.fail(w, r, http.StatusBadRequest, "The form could not be read.")
-		return false
+		return pageErr(http.StatusBadRequest, "The form could not be read.")
 	}
 	ck, err := r.Cookie(csrfCookie)
 	form := r.PostForm.Get("csrf")
 	if err != nil || !validToken(ck.Value) || subtle.ConstantTimeCompare([]byte(ck.Value), []byte(form)) != 1 {
-		c.fail(w, r, http.StatusForbidden, "Refused: the form's CSRF token is missing or does not match. Reload the page and submit it again.")
-		return false
+		return pageErr(http.StatusForbidden, "Refused: the form's CSRF token is missing or does not match. Reload the page and submit it again.")
 	}
 	// A browser sends Origin with every POST. Missing (not a browser, or one that hides it)
 	// or "null" (a sandboxed frame, a data: URL, a redirect across sites) says nothing about
@@ -134,10 +129,9 @@ func (c *Console) checkPost(w http.ResponseWriter, r *http.Request) bool {
 		if o == "" || o == "null" {
 			what = "without its origin (Origin: " + strconv.Quote(o) + "); post it from the console's own page"
 		}
-		c.fail(w, r, http.StatusForbidden, "Refused: the form was posted "+what+".")
-		return false
+		return pageErr(http.StatusForbidden, "Refused: the form was posted "+what+".")
 	}
-	return true
+	return nil
 }
 
 // link is path under the console's prefix.

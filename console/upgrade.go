@@ -53,41 +53,35 @@ func (c *Console) upgradeTarget(r *http.Request, get func(string) string) (upgra
 // saga at a step boundary (with its step mapping and converted data when the console was
 // given the definitions, console.Config.Sagas), and the others with the reason they are not
 // upgradable now. Nothing is filed.
-func (c *Console) upgradeConfirm(w http.ResponseWriter, r *http.Request) {
+func (c *Console) upgradeConfirm(w http.ResponseWriter, r *http.Request) error {
 	d, err := c.upgradeTarget(r, r.URL.Query().Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	d.Result, err = c.sagas.RequestUpgradeMatching(r.Context(), c.cfg.DB, d.Name, d.From, d.To, saga.BulkOptions{DryRun: true, Limit: bulkLimit})
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	for _, u := range d.Result.Requested {
 		d.Known = d.Known || u.NewStep != ""
 	}
 	d.Refusals = refusals(d.Result.Refused)
 	c.render(w, r, http.StatusOK, "upgrade", d)
+	return nil
 }
 
 // upgradeAction files an upgrade request for each saga the dry run showed at a boundary (the
 // form's ids, never a fresh query: an operator acts on what was shown), each in its own
 // transaction, after checking again that it is a saga of this definition and version at a
 // boundary; the orchestrator that has the target version carries each out.
-func (c *Console) upgradeAction(w http.ResponseWriter, r *http.Request) {
-	if !c.checkPost(w, r) {
-		return
-	}
+func (c *Console) upgradeAction(w http.ResponseWriter, r *http.Request) error {
 	d, err := c.upgradeTarget(r, r.PostForm.Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	ids, err := postedSagas(r)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	d.Filed, d.Result.Matched = true, ids
 	var failed error
@@ -110,14 +104,14 @@ func (c *Console) upgradeAction(w http.ResponseWriter, r *http.Request) {
 	}
 	c.logAction(r, "saga upgrade", failed, "name", d.Name, "from", d.From, "to", d.To, "saga_ids", requested, "refused", len(d.Result.Refused))
 	if failed != nil && len(requested) == 0 {
-		c.failErr(w, r, failed)
-		return
+		return failed
 	}
 	d.Refusals = refusals(d.Result.Refused)
 	if failed != nil {
 		d.Refusals = append(d.Refusals, "stopped: the database failed; the service's log has the error")
 	}
 	c.render(w, r, http.StatusOK, "upgrade", d)
+	return nil
 }
 
 // requestUpgrade files the upgrade request of one saga the form named, refusing a saga of

@@ -13,11 +13,11 @@ type versionsPage struct {
 
 // versions lists the saga definition versions that have sagas not finished or that a live
 // orchestrator registered, as `onceflow saga versions` does.
-func (c *Console) versions(w http.ResponseWriter, r *http.Request) {
+func (c *Console) versions(w http.ResponseWriter, r *http.Request) error {
 	vs, err := c.sagas.Versions(r.Context(), c.cfg.DB)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	c.render(w, r, http.StatusOK, "versions", versionsPage{Versions: vs})
+	return nil
 }
