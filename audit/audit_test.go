@@ -51,6 +51,10 @@ func TestEveryActionIsRecordedInItsTransaction(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	inboxes, err := inbox.NewAdmin(db.Schema)
+	if err != nil {
+		t.Fatal(err)
+	}
 	p0, p1 := strconv.FormatInt(poison[0], 10), strconv.FormatInt(poison[1], 10)
 	for _, c := range []struct {
 		action, target, outcome string
@@ -64,11 +68,11 @@ func TestEveryActionIsRecordedInItsTransaction(t *testing.T) {
 			return err
 		}},
 		{audit.InboxReplay, p0, "replays requested: 1", func(tx pgx.Tx) error {
-			_, err := inbox.ReplayTx(ctx, tx, db.Schema, inbox.ReplayFilter{IDs: []int64{poison[0]}})
+			_, err := inboxes.ReplayTx(ctx, tx, inbox.ReplayFilter{IDs: []int64{poison[0]}})
 			return err
 		}},
 		{audit.InboxDelete, p1, "poison rows deleted: 1", func(tx pgx.Tx) error {
-			_, err := inbox.DeletePoisonTx(ctx, tx, db.Schema, inbox.DeleteFilter{Consumer: "billing", ErrorContains: "BAD"})
+			_, err := inboxes.DeletePoisonTx(ctx, tx, inbox.DeleteFilter{Consumer: "billing", ErrorContains: "BAD"})
 			return err
 		}},
 	} {

@@ -36,6 +36,7 @@ import (
 
 	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/idempotency"
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/saga"
@@ -133,6 +134,7 @@ type Console struct {
 	sagas *saga.Admin
 	idem  *idempotency.Admin
 	relay *relay.Admin
+	inbox *inbox.Admin
 	pages map[string]*template.Template
 	mux   *http.ServeMux
 }
@@ -154,7 +156,11 @@ func New(cfg Config) (*Console, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Console{cfg: cfg, sagas: sa, relay: ra, idem: ia, pages: map[string]*template.Template{}}
+	xa, err := inbox.NewAdmin(cfg.Schema)
+	if err != nil {
+		return nil, err
+	}
+	c := &Console{cfg: cfg, sagas: sa, relay: ra, idem: ia, inbox: xa, pages: map[string]*template.Template{}}
 	if err := c.parseTemplates(); err != nil {
 		return nil, err
 	}

@@ -14,39 +14,17 @@ import (
 	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/idempotency"
 	"github.com/onceflow/onceflow/inbox"
-	"github.com/onceflow/onceflow/internal/pgsql"
 )
-
-// poisonRow is one row of inbox_poison.
-type poisonRow struct {
-	ID          int64
-	Consumer    string
-	DedupKey    *string
-	MessageUUID string
-	Source      string
-	Attempts    int
-	FailedAt    time.Time
-	Error       string
-	Metadata    map[string]string
-	Payload     []byte
-	State       string // poison, replay_requested, replayed or duplicate
-	Replays     int
-	Refusal     *string          // why no replay may apply it (a saga's message), nil when one may
-	History     []map[string]any // replay events, oldest first
-}
 
 type inboxData struct {
 	Consumer  string
-	Rows      []poisonRow
+	Rows      []inbox.PoisonRow
 	Next      string
 	Deleted   bool
 	Replayed  string // how many replays the last action requested
 	DeleteAll string // the bulk delete's confirmation for Consumer
 	ReplayAll string // the bulk replay's confirmation (dry run first) for Consumer
 }
-
-// poisonCols are the columns a poisonRow is scanned from, in its field order; payload is $P.
-const poisonCols = `id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, $P, state, replays, replay_refusal, history`
 
 // poisonPageSize is one page of the poison list, newest first, keyset-paginated on id.
 const poisonPageSize = 100
@@ -57,22 +35,14 @@ func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	before := int64(1<<63 - 1)
+	var before int64 // 0: from the newest row
 	if b := r.URL.Query().Get("before"); b != "" {
 		if before, err = strconv.ParseInt(b, 10, 64); err != nil || before < 1 {
 			c.failErr(w, r, badInput("before %q is not a row id", b))
 			return
 		}
 	}
-	// On inbox_poison_consumer_idx (consumer, id) with a consumer, the primary key without.
-	rows, err := c.cfg.DB.Query(r.Context(), `SELECT `+strings.Replace(poisonCols, "$P", "''::bytea", 1)+`
-		FROM `+pgsql.Table(c.cfg.Schema, "inbox_poison")+` WHERE ($1 = '' OR consumer = $1) AND id < $2 ORDER BY id DESC LIMIT $3`,
-		consumer, before, poisonPageSize)
-	if err != nil {
-		c.failErr(w, r, err)
-		return
-	}
-	list, err := pgx.CollectRows(rows, pgx.RowToStructByPos[poisonRow])
+	list, err := c.inbox.Poison(r.Context(), c.cfg.DB, inbox.PoisonFilter{Consumer: consumer, Before: before, Limit: poisonPageSize})
 	if err != nil {
 		c.failErr(w, r, err)
 		return
@@ -98,31 +68,16 @@ func poisonID(r *http.Request) (int64, error) {
 	return id, nil
 }
 
-var errNoPoison = errors.New("no poison row with this id (deleted already?)")
-
-func (c *Console) loadPoison(r *http.Request, id int64) (*poisonRow, error) {
-	rows, err := c.cfg.DB.Query(r.Context(), `SELECT `+strings.Replace(poisonCols, "$P", "payload", 1)+`
-		FROM `+pgsql.Table(c.cfg.Schema, "inbox_poison")+` WHERE id = $1`, id)
-	if err != nil {
-		return nil, err
-	}
-	p, err := pgx.CollectExactlyOneRow(rows, pgx.RowToAddrOfStructByPos[poisonRow])
-	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, errNoPoison
-	}
-	return p, err
-}
-
 // poisonOfPath reads the poison row the request's path names; when it cannot (a bad id, no
 // such row, the database) it has answered the request, and ok is false.
-func (c *Console) poisonOfPath(w http.ResponseWriter, r *http.Request) (id int64, p *poisonRow, ok bool) {
+func (c *Console) poisonOfPath(w http.ResponseWriter, r *http.Request) (id int64, p *inbox.PoisonRow, ok bool) {
 	id, err := poisonID(r)
 	if err != nil {
 		c.failErr(w, r, err)
 		return 0, nil, false
 	}
-	p, err = c.loadPoison(r, id)
-	if errors.Is(err, errNoPoison) {
+	p, err = c.inbox.PoisonByID(r.Context(), c.cfg.DB, id)
+	if errors.Is(err, inbox.ErrNoPoisonRow) {
 		c.fail(w, r, http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
 		return 0, nil, false
 	}
@@ -143,12 +98,12 @@ func (c *Console) poisonPage(w http.ResponseWriter, r *http.Request) {
 		c.failErr(w, r, err)
 		return
 	}
-	c.render(w, r, http.StatusOK, "poison", poisonData{poisonRow: p, Requested: r.URL.Query().Get("replayed") == "1", Audit: es})
+	c.render(w, r, http.StatusOK, "poison", poisonData{PoisonRow: p, Requested: r.URL.Query().Get("replayed") == "1", Audit: es})
 }
 
 // poisonData is a poison row's page.
 type poisonData struct {
-	*poisonRow
+	*inbox.PoisonRow
 	Requested bool          // a replay was just requested
 	Audit     []audit.Entry // operators' actions on the row, newest first
 }
@@ -178,7 +133,7 @@ func (c *Console) poisonDelete(w http.ResponseWriter, r *http.Request) {
 	consumer := r.PostForm.Get("consumer") // the list to go back to
 	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
 		// The consumer too: the row the operator confirmed, not another one under its id.
-		deleted, err := inbox.DeletePoisonTx(r.Context(), tx, c.cfg.Schema, inbox.DeleteFilter{IDs: []int64{id}, Consumer: consumer})
+		deleted, err := c.inbox.DeletePoisonTx(r.Context(), tx, inbox.DeleteFilter{IDs: []int64{id}, Consumer: consumer})
 		if err == nil && len(deleted) == 0 {
 			err = badInput("there is no poison row %d (deleted already?); nothing was deleted", id)
 		}
@@ -208,31 +163,23 @@ func poisonFilter(get func(string) string) (consumer, errText string, err error)
 	return consumer, errText, nil
 }
 
-// poisonWhere selects a consumer's poison rows whose error contains $2 (” = any), on
-// inbox_poison_consumer_idx.
-const poisonWhere = ` WHERE consumer = $1 AND ($2 = '' OR strpos(lower(error), lower($2)) > 0)`
-
-// poisonBulkCap bounds one bulk delete (and its dry-run count): poison rows are few, and a
-// larger cleanup is several clicks, each logged.
-const poisonBulkCap = 10_000
-
 func (c *Console) poisonBulkConfirm(w http.ResponseWriter, r *http.Request) {
 	consumer, errText, err := poisonFilter(r.URL.Query().Get)
 	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
-	var n int64
-	var first []int64
-	if err := c.cfg.DB.QueryRow(r.Context(), `SELECT count(*), (array_agg(id ORDER BY id))[1:20] FROM (SELECT id FROM `+
-		pgsql.Table(c.cfg.Schema, "inbox_poison")+poisonWhere+` ORDER BY id LIMIT $3) s`, consumer, errText, poisonBulkCap).Scan(&n, &first); err != nil {
+	// The rows the delete below takes, counted as it selects them; a larger cleanup is
+	// several clicks, each logged.
+	n, first, err := c.inbox.CountPoison(r.Context(), c.cfg.DB, consumer, errText, inbox.MaxDeleteLimit)
+	if err != nil {
 		c.failErr(w, r, err)
 		return
 	}
 	v := confirmData{Title: "Delete poison rows of consumer " + consumer, Action: c.link("/inbox/delete"), Back: c.link("/inbox") + query("consumer", consumer),
 		Effect: "Delete removes the selected rows from inbox_poison once their messages are handled. Their dedup rows stay, " +
 			"so redeliveries are still skipped; nothing is re-applied.",
-		Hidden: map[string]string{"consumer": consumer, "error": errText}, Count: n, More: n >= poisonBulkCap, Takes: n >= poisonBulkCap}
+		Hidden: map[string]string{"consumer": consumer, "error": errText}, Count: n, More: n >= inbox.MaxDeleteLimit, Takes: n >= inbox.MaxDeleteLimit}
 	for _, id := range first {
 		v.IDs = append(v.IDs, strconv.FormatInt(id, 10))
 	}
@@ -253,7 +200,7 @@ func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) {
 	}
 	var n int
 	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
-		deleted, err := inbox.DeletePoisonTx(r.Context(), tx, c.cfg.Schema, inbox.DeleteFilter{Consumer: consumer, ErrorContains: errText, Limit: poisonBulkCap})
+		deleted, err := c.inbox.DeletePoisonTx(r.Context(), tx, inbox.DeleteFilter{Consumer: consumer, ErrorContains: errText, Limit: inbox.MaxDeleteLimit})
 		n = len(deleted)
 		if err == nil && n == 0 {
 			err = badInput("no poison row of consumer %q matches; nothing was deleted", consumer)
@@ -268,7 +215,7 @@ func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) {
 	http.Redirect(w, r, c.link("/inbox")+query("consumer", consumer, "deleted", "1"), http.StatusSeeOther)
 }
 
-// Replay (inbox.ReplayTx): the console files the request, in one transaction with the row's
+// Replay (inbox.Admin.ReplayTx): the console files the request, in one transaction with the row's
 // state change; a running process of the row's consumer applies it exactly once. The
 // confirmation pages run the same call as a dry run, so they show what the button will do:
 // the count and ids, or why the replay is refused.
@@ -292,7 +239,7 @@ func (c *Console) dryRunReplay(r *http.Request, f inbox.ReplayFilter) (inbox.Rep
 	var res inbox.ReplayResult
 	err := pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
 		var err error
-		res, err = inbox.ReplayTx(r.Context(), tx, c.cfg.Schema, f)
+		res, err = c.inbox.ReplayTx(r.Context(), tx, f)
 		return err
 	})
 	return res, err
@@ -340,7 +287,7 @@ func (c *Console) requestReplay(r *http.Request, f inbox.ReplayFilter) (inbox.Re
 	var res inbox.ReplayResult
 	err := pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
 		var err error
-		res, err = inbox.ReplayTx(r.Context(), tx, c.cfg.Schema, f)
+		res, err = c.inbox.ReplayTx(r.Context(), tx, f)
 		return err
 	})
 	return res, replayError(err)

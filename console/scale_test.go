@@ -69,7 +69,7 @@ func TestConsoleScale(t *testing.T) {
 			`SELECT name, state, count(*), extract(epoch FROM now() - min(created_at))::float8 FROM ` + db.Table("saga") + `
 				WHERE state IN ('running', 'compensating', 'stuck') GROUP BY name, state ORDER BY name, state`,
 			`SELECT id FROM ` + db.Table("saga") + ` ORDER BY created_at DESC, id DESC LIMIT 101`,
-			`SELECT id FROM ` + db.Table("inbox_poison") + ` WHERE ('' = '' OR consumer = '') AND id < 9223372036854775807 ORDER BY id DESC LIMIT 100`,
+			`SELECT id FROM ` + db.Table("inbox_poison") + ` ORDER BY id DESC LIMIT 100`,
 		} {
 			rows, err := db.Pool.Query(ctx, "EXPLAIN (ANALYZE, BUFFERS) "+q)
 			if err != nil {

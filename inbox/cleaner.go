@@ -115,10 +115,10 @@ func NewCleaner(cfg CleanerConfig) (*Cleaner, error) {
 	// would run again (or a compensation be taken for a null one). Without Sagas, one
 	// primary-key probe of the saga table per barrier row (other rows skip it; NotLiveBarrier
 	// says why not NOT EXISTS, which made a million-saga table's pass 18× slower, measured);
-	// with it, barrier rows are left to cleanBarriers.
-	barriers := ` AND ` + cleaning.NotLiveBarrier(cfg.Schema)
+	// with it, barrier rows are left to cleanBarriers. Admin.Expired counts with the same
+	// condition.
+	barriers := ` AND ` + keptBarriersOut(cfg.Schema, cfg.Sagas != nil)
 	if cfg.Sagas != nil {
-		barriers = ` AND p.saga_id IS NULL`
 		// Keyset on (processed_at, consumer, dedup_key): rows kept for live sagas may share a
 		// timestamp, and a batch of only those must still move the position on.
 		expired := `saga_id IS NOT NULL AND processed_at < now() - make_interval(secs => $4)`

@@ -18,7 +18,7 @@
 //
 //	ib, err := inbox.New(inbox.Config{Pool: pool, Consumer: "billing"})
 //	router.AddMiddleware(ib.Poison, retry.Middleware, middleware.Recoverer, ib.Middleware)
-//	router.AddPlugin(ib.RouterPlugin) // applies replays of given-up messages (ReplayTx)
+//	router.AddPlugin(ib.RouterPlugin) // applies replays of given-up messages (Admin.ReplayTx)
 //	router.AddHandler("billing", "orders.placed", sub, "billing.invoiced", inbox.OutboxOnly{},
 //		func(msg *message.Message) ([]*message.Message, error) {
 //			tx := outbox.MustTx(msg.Context())
@@ -123,7 +123,7 @@ type Config struct {
 	// (partition, offset, key). Default none.
 	TraceAttributes TraceAttributesFunc
 	// ReplayInterval is how often this consumer's processes look for replay requests of its
-	// poison rows (`onceflow inbox poison replay`, ReplayTx): the router's (RouterPlugin) and
+	// poison rows (`onceflow inbox poison replay`, Admin.ReplayTx): the router's (RouterPlugin) and
 	// a batched consumer's (inboxkafka.BatchConsumer). Each look is one indexed query on the
 	// rows waiting. Default DefaultReplayInterval (5 s); negative is refused.
 	ReplayInterval time.Duration

@@ -4,13 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/audit"
-	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
 // DeleteFilter selects the poison rows DeletePoisonTx removes: the rows IDs names (of
@@ -34,14 +34,9 @@ var ErrEmptyDeleteFilter = errors.New("inbox: delete poison rows: name the rows 
 // trail (package audit) in the same transaction, and returns the ids deleted, in id order.
 // A row is only deleted, never replayed: its dedup row stays, so a redelivery of the message
 // is still skipped. By ids, the caller compares what was deleted with what it named (and
-// rolls back when a row is missing, if it wants all or nothing).
-func DeletePoisonTx(ctx context.Context, tx pgx.Tx, schema string, f DeleteFilter) ([]int64, error) {
-	if schema == "" {
-		schema = pgsql.DefaultSchema
-	}
-	if err := pgsql.ValidateSchema(schema); err != nil {
-		return nil, fmt.Errorf("inbox: delete poison rows: %w", err)
-	}
+// rolls back when a row is missing, if it wants all or nothing). By filter it deletes the
+// rows CountPoison counts for the same consumer, error text and Limit.
+func (a *Admin) DeletePoisonTx(ctx context.Context, tx pgx.Tx, f DeleteFilter) ([]int64, error) {
 	if len(f.IDs) == 0 && f.Consumer == "" {
 		return nil, ErrEmptyDeleteFilter
 	}
@@ -51,43 +46,36 @@ func DeletePoisonTx(ctx context.Context, tx pgx.Tx, schema string, f DeleteFilte
 	case f.Limit < 0 || f.Limit > MaxDeleteLimit:
 		return nil, fmt.Errorf("inbox: delete poison rows: limit %d is not between 1 and %d", f.Limit, MaxDeleteLimit)
 	}
-	table := pgsql.Table(schema, "inbox_poison")
 	var rows pgx.Rows
 	var err error
 	if len(f.IDs) > 0 {
-		rows, err = tx.Query(ctx, `DELETE FROM `+table+` WHERE id = ANY($1) AND ($2 = '' OR consumer = $2) RETURNING id`, f.IDs, f.Consumer)
+		rows, err = tx.Query(ctx, `DELETE FROM `+a.poison+` WHERE id = ANY($1) AND ($2 = '' OR consumer = $2) RETURNING id`, f.IDs, f.Consumer)
 	} else {
-		// On inbox_poison_consumer_idx (consumer, id).
-		rows, err = tx.Query(ctx, `DELETE FROM `+table+` WHERE id IN (SELECT id FROM `+table+`
-			WHERE consumer = $1 AND ($2 = '' OR strpos(lower(error), lower($2)) > 0) ORDER BY id LIMIT $3) RETURNING id`, f.Consumer, f.ErrorContains, f.Limit)
+		w := &where{}
+		sel := a.poisonSelection(w, f.Consumer, f.ErrorContains)
+		rows, err = tx.Query(ctx, `DELETE FROM `+a.poison+` WHERE id IN (`+sel+` LIMIT `+w.arg(f.Limit)+`) RETURNING id`, w.args...)
 	}
 	if err != nil {
-		return nil, poisonDBError(schema, "delete poison rows", err)
+		return nil, a.wrap("delete poison rows", err)
 	}
 	deleted, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	if err != nil {
-		return nil, poisonDBError(schema, "delete poison rows", err)
+		return nil, a.wrap("delete poison rows", err)
 	}
 	if len(deleted) == 0 {
 		return nil, nil
 	}
+	slices.Sort(deleted) // RETURNING follows no order
 	targets := make([]string, len(deleted))
 	for i, id := range deleted {
 		targets[i] = strconv.FormatInt(id, 10)
 	}
-	if err := audit.RecordTx(audit.WithFilter(ctx, f.describe()), tx, schema, audit.InboxDelete, targets, fmt.Sprintf("poison rows deleted: %d", len(deleted))); err != nil {
-		return nil, poisonDBError(schema, "record the deletion", err)
+	if err := audit.RecordTx(audit.WithFilter(ctx, f.describe()), tx, a.schema, audit.InboxDelete, targets, fmt.Sprintf("poison rows deleted: %d", len(deleted))); err != nil {
+		return nil, a.wrap("record the deletion", err)
 	}
 	return deleted, nil
 }
 
 func (f DeleteFilter) describe() string {
 	return describePoison(f.IDs, f.Consumer, time.Time{}, f.ErrorContains, "")
-}
-
-func poisonDBError(schema, what string, err error) error {
-	if pgsql.IsUndefinedColumn(err) || pgsql.IsUndefinedTable(err) {
-		return fmt.Errorf("inbox: %s: schema %q is not migrated; run `onceflow migrate up --schema %s`: %w", what, schema, schema, err)
-	}
-	return fmt.Errorf("inbox: %s: %w", what, err)
 }

@@ -170,14 +170,8 @@ func describePoison(ids []int64, consumer string, since time.Time, errorContains
 // is requested. A request by filter requests what may be replayed and reports the rest; it
 // fails when nothing matched (ErrNoPoisonRow) or everything was refused (ErrReplayRefused).
 // With f.DryRun nothing changes and the result says what would be requested.
-func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (ReplayResult, error) {
+func (a *Admin) ReplayTx(ctx context.Context, tx pgx.Tx, f ReplayFilter) (ReplayResult, error) {
 	var res ReplayResult
-	if schema == "" {
-		schema = pgsql.DefaultSchema
-	}
-	if err := pgsql.ValidateSchema(schema); err != nil {
-		return res, fmt.Errorf("inbox: replay: %w", err)
-	}
 	if err := f.check(); err != nil {
 		return res, err
 	}
@@ -196,7 +190,6 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 	if !f.Since.IsZero() {
 		since = &f.Since
 	}
-	table := pgsql.Table(schema, "inbox_poison")
 	lock := " FOR UPDATE"
 	if f.DryRun {
 		lock = ""
@@ -205,7 +198,7 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 	// replay of a row is refused with its reason rather than "no such row". Oldest first,
 	// on inbox_poison_consumer_idx (consumer, id) with a consumer, the primary key without.
 	rows, err := tx.Query(ctx, `SELECT id, consumer, state, dedup_key IS NULL, replay_refusal, replay_requested_at, coalesce(replay_requested_by, ''), replayed_at
-		FROM `+table+`
+		FROM `+a.poison+`
 		WHERE (coalesce(cardinality($1::bigint[]), 0) = 0 OR id = ANY($1::bigint[]))
 		  AND ($2::text = '' OR consumer = $2::text)
 		  AND ($3::timestamptz IS NULL OR failed_at >= $3::timestamptz)
@@ -213,7 +206,7 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 		  AND (coalesce(cardinality($1::bigint[]), 0) > 0 OR state = 'poison')
 		ORDER BY id LIMIT $5`+lock, f.IDs, f.Consumer, since, f.ErrorContains, limit+1)
 	if err != nil {
-		return res, replayDBError(schema, "read the poison rows", err)
+		return res, a.wrap("replay: read the poison rows", err)
 	}
 	type cand struct {
 		id              int64
@@ -229,12 +222,12 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 		var c cand
 		if err := rows.Scan(&c.id, &c.consumer, &c.state, &c.noKey, &c.refusal, &c.requestedAt, &c.requestedBy, &c.replayedAt); err != nil {
 			rows.Close()
-			return res, replayDBError(schema, "read the poison rows", err)
+			return res, a.wrap("replay: read the poison rows", err)
 		}
 		cands = append(cands, c)
 	}
 	if err := rows.Err(); err != nil {
-		return res, replayDBError(schema, "read the poison rows", err)
+		return res, a.wrap("replay: read the poison rows", err)
 	}
 	if len(cands) > limit {
 		cands, res.More = cands[:limit], true
@@ -251,11 +244,11 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 			of = " matching the filter"
 		}
 		return res, fmt.Errorf("inbox: replay: %w: no poison row%s with id %s in schema %q; nothing requested (`onceflow inbox poison` lists them)",
-			ErrNoPoisonRow, of, strings.Join(missing, ", "), schema)
+			ErrNoPoisonRow, of, strings.Join(missing, ", "), a.schema)
 	}
 	if len(cands) == 0 {
 		return res, fmt.Errorf("inbox: replay: %w %s in schema %q (rows whose replay was requested or applied are not given up any more: `onceflow inbox poison` shows their state); nothing requested",
-			ErrNoPoisonRow, f.describe(), schema)
+			ErrNoPoisonRow, f.describe(), a.schema)
 	}
 	var ok []int64
 	for _, c := range cands {
@@ -288,15 +281,15 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 		res.Requested = ok
 		return res, nil
 	}
-	rows, err = tx.Query(ctx, `UPDATE `+table+` SET state = 'replay_requested', replay_requested_at = now(), replay_requested_by = $2::text,
+	rows, err = tx.Query(ctx, `UPDATE `+a.poison+` SET state = 'replay_requested', replay_requested_at = now(), replay_requested_by = $2::text,
 		history = history || jsonb_build_array(jsonb_build_object('at', now(), 'event', 'requested', 'by', $2::text))
 		WHERE id = ANY($1::bigint[]) AND state = 'poison' RETURNING id`, ok, f.By)
 	if err != nil {
-		return res, replayDBError(schema, "request the replays", err)
+		return res, a.wrap("replay: request the replays", err)
 	}
 	res.Requested, err = pgx.CollectRows(rows, pgx.RowTo[int64])
 	if err != nil {
-		return res, replayDBError(schema, "request the replays", err)
+		return res, a.wrap("replay: request the replays", err)
 	}
 	slices.Sort(res.Requested)
 	if len(res.Requested) > 0 {
@@ -308,8 +301,8 @@ func ReplayTx(ctx context.Context, tx pgx.Tx, schema string, f ReplayFilter) (Re
 		if len(res.Refused) > 0 {
 			outcome += fmt.Sprintf(", refused: %d", len(res.Refused))
 		}
-		if err := audit.RecordTx(audit.WithFilter(ctx, f.describe()), tx, schema, audit.InboxReplay, targets, outcome); err != nil {
-			return res, replayDBError(schema, "record the replay request", err)
+		if err := audit.RecordTx(audit.WithFilter(ctx, f.describe()), tx, a.schema, audit.InboxReplay, targets, outcome); err != nil {
+			return res, a.wrap("replay: record the replay request", err)
 		}
 	}
 	return res, nil
@@ -320,13 +313,6 @@ func fmtTime(t *time.Time) string {
 		return "at an unknown time"
 	}
 	return "at " + t.UTC().Format(time.RFC3339)
-}
-
-func replayDBError(schema, what string, err error) error {
-	if pgsql.IsUndefinedColumn(err) || pgsql.IsUndefinedTable(err) {
-		return fmt.Errorf("inbox: replay: %s: schema %q is not migrated for replays; run `onceflow migrate up --schema %s`: %w", what, schema, schema, err)
-	}
-	return fmt.Errorf("inbox: replay: %s: %w", what, err)
 }
 
 // replaySQL holds the statements of the consumer's side of a replay.

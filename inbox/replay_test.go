@@ -26,9 +26,13 @@ import (
 // replay files a replay request in its own transaction.
 func (f *fixture) replay(rf inbox.ReplayFilter) (inbox.ReplayResult, error) {
 	var res inbox.ReplayResult
-	err := pgx.BeginFunc(context.Background(), f.db.Pool, func(tx pgx.Tx) error {
+	admin, err := inbox.NewAdmin(f.db.Schema)
+	if err != nil {
+		return res, err
+	}
+	err = pgx.BeginFunc(context.Background(), f.db.Pool, func(tx pgx.Tx) error {
 		var err error
-		res, err = inbox.ReplayTx(context.Background(), tx, f.db.Schema, rf)
+		res, err = admin.ReplayTx(context.Background(), tx, rf)
 		return err
 	})
 	return res, err

@@ -41,9 +41,13 @@ func TestGivenUpSagaMessagesRefuseReplay(t *testing.T) {
 		t.Fatalf("%d poison rows, want the reply's and the invalid command's", n)
 	}
 	var res inbox.ReplayResult
-	err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error {
+	admin, err := inbox.NewAdmin(w.db.Schema)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error {
 		var err error
-		res, err = inbox.ReplayTx(ctx, tx, w.db.Schema, inbox.ReplayFilter{All: true})
+		res, err = admin.ReplayTx(ctx, tx, inbox.ReplayFilter{All: true})
 		return err
 	})
 	if !errors.Is(err, inbox.ErrReplayRefused) || len(res.Refused) != 2 || len(res.Requested) != 0 {

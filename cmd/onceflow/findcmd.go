@@ -10,7 +10,6 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/pgsql"
@@ -137,13 +136,16 @@ func (c *cli) outboxFind(ctx context.Context, args []string) error {
 			key = f.dedupKey()
 		}
 		d := &foundDedup{Consumer: *consumer, DedupKey: key}
-		err := pool.QueryRow(ctx, `SELECT processed_at FROM `+t("processed_event")+` WHERE consumer = $1 AND dedup_key = $2`, *consumer, key).Scan(&d.ProcessedAt)
-		switch {
-		case errors.Is(err, pgx.ErrNoRows):
-		case err != nil:
-			return fmt.Errorf("look up the dedup row: %w", err)
-		default:
-			d.Processed = true
+		admin, err := inbox.NewAdmin(db.schema)
+		if err != nil {
+			return err
+		}
+		at, ok, err := admin.Processed(ctx, pool, *consumer, key)
+		if err != nil {
+			return err
+		}
+		if ok {
+			d.Processed, d.ProcessedAt = true, &at
 		}
 		f.Inbox = d
 	}

@@ -17,7 +17,6 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/inbox"
-	"github.com/onceflow/onceflow/internal/pgsql"
 )
 
 const inboxSynopsis = `inbox poison [list|replay|delete] [flags]
@@ -89,6 +88,24 @@ type poisonRow struct {
 	PayloadBase64 []byte  `json:"payload_base64,omitempty"`
 }
 
+// poisonRowOf is r as --json prints it: the payload as text when it is valid UTF-8.
+func poisonRowOf(r inbox.PoisonRow) poisonRow {
+	out := poisonRow{ID: r.ID, Consumer: r.Consumer, DedupKey: r.DedupKey, MessageUUID: r.MessageUUID, Source: r.Source, Attempts: r.Attempts,
+		FailedAt: r.FailedAt, Error: r.Error, State: r.State, Replays: r.Replays, History: r.History, Metadata: r.Metadata}
+	switch {
+	case r.Payload == nil: // not read: the table does not show it
+	case utf8.Valid(r.Payload):
+		s := string(r.Payload)
+		out.Payload = &s
+	default:
+		out.PayloadBase64 = r.Payload
+	}
+	return out
+}
+
+// poisonCountCap bounds the count of a listing's total: it stops there ("N or more").
+const poisonCountCap = 1_000_000
+
 const poisonListSynopsis = `inbox poison [flags]
 
 Lists the messages a consumer gave up on (a batched consumer, or a router with the inbox's
@@ -121,49 +138,38 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	if *before < 0 {
 		return fmt.Errorf("--before is %d; pass a row id from a listing", *before)
 	}
+	admin, err := inbox.NewAdmin(db.schema)
+	if err != nil {
+		return err
+	}
 	pool, err := db.connectMigrated(ctx, "onceflow-inbox")
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	table := pgsql.Table(db.schema, "inbox_poison")
-	var total int64
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM `+table+` WHERE $1 = '' OR consumer = $1`, *consumer).Scan(&total); err != nil {
-		return fmt.Errorf("count the rows of %s.inbox_poison: %w", db.schema, err)
-	}
-	rows, err := pool.Query(ctx, `SELECT id, consumer, dedup_key, message_uuid, source, attempts, failed_at, error, metadata, payload, state, replays, history
-		FROM `+table+` WHERE ($1 = '' OR consumer = $1) AND ($3 = 0 OR id < $3) ORDER BY id DESC LIMIT $2`, *consumer, *limit+1, *before)
+	total, _, err := admin.CountPoison(ctx, pool, *consumer, "", poisonCountCap)
 	if err != nil {
-		return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
+		return err
 	}
-	list := []poisonRow{}
-	for rows.Next() {
-		var r poisonRow
-		var meta, payload []byte
-		if err := rows.Scan(&r.ID, &r.Consumer, &r.DedupKey, &r.MessageUUID, &r.Source, &r.Attempts, &r.FailedAt, &r.Error, &meta, &payload,
-			&r.State, &r.Replays, &r.History); err != nil {
-			rows.Close()
-			return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
-		}
-		if err := json.Unmarshal(meta, &r.Metadata); err != nil {
-			r.Metadata = map[string]string{"(undecodable)": string(meta)}
-		}
-		if utf8.Valid(payload) {
-			s := string(payload)
-			r.Payload = &s
-		} else {
-			r.PayloadBase64 = payload
-		}
-		list = append(list, r)
+	f := inbox.PoisonFilter{Consumer: *consumer, Before: *before, Limit: *limit, WithPayload: *asJSON}
+	page, err := admin.Poison(ctx, pool, f)
+	if err != nil {
+		return err
 	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("read %s.inbox_poison: %w", db.schema, err)
+	// A full page has a next one when a row older than its last exists (the total counts the
+	// pages before --before too, so it cannot tell).
+	more := false
+	if len(page) == *limit {
+		f.Before, f.Limit, f.WithPayload = page[len(page)-1].ID, 1, false
+		next, err := admin.Poison(ctx, pool, f)
+		if err != nil {
+			return err
+		}
+		more = len(next) > 0
 	}
-	// One row more than the page tells whether a next page exists (the total counts the
-	// pages before --before too).
-	more := len(list) > *limit
-	if more {
-		list = list[:*limit]
+	list := make([]poisonRow, len(page))
+	for i, r := range page {
+		list[i] = poisonRowOf(r)
 	}
 	if *asJSON {
 		b, _ := json.Marshal(list)
@@ -191,7 +197,11 @@ func (c *cli) inboxPoisonList(ctx context.Context, args []string) error {
 	case int64(len(list)) < total:
 		shown = fmt.Sprintf(" (%d shown: the last page)", len(list))
 	}
-	p.f("\n%s%s. Each has its dedup row: a redelivery is skipped.\n", plural(int(total), "poison message"), shown)
+	count := plural(int(total), "poison message")
+	if total >= poisonCountCap {
+		count = fmt.Sprintf("%d or more poison messages", total)
+	}
+	p.f("\n%s%s. Each has its dedup row: a redelivery is skipped.\n", count, shown)
 	p.f("--json shows the dedup key, metadata, payload and replay history;\n")
 	p.f("once the cause is fixed: onceflow inbox poison replay --id %d (or --consumer %s); once handled: onceflow inbox poison delete --id %d\n",
 		list[0].ID, list[0].Consumer, list[0].ID)
@@ -232,6 +242,10 @@ func (c *cli) inboxPoisonDelete(ctx context.Context, args []string) error {
 		fs.Usage()
 		return errUsage
 	}
+	admin, err := inbox.NewAdmin(db.schema)
+	if err != nil {
+		return err
+	}
 	pool, err := db.connectMigrated(ctx, "onceflow-inbox")
 	if err != nil {
 		return err
@@ -241,7 +255,7 @@ func (c *cli) inboxPoisonDelete(ctx context.Context, args []string) error {
 	var deleted []int64
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		var err error
-		deleted, err = inbox.DeletePoisonTx(ctx, tx, db.schema, inbox.DeleteFilter{IDs: ids, Consumer: *consumer})
+		deleted, err = admin.DeletePoisonTx(ctx, tx, inbox.DeleteFilter{IDs: ids, Consumer: *consumer})
 		if err != nil {
 			return err
 		}

@@ -87,6 +87,10 @@ func (c *cli) inboxPoisonReplay(ctx context.Context, args []string) error {
 	if len(f.IDs) > 0 && *all {
 		return errors.New("--id and --all select differently: pass one of them; nothing requested")
 	}
+	admin, err := inbox.NewAdmin(db.schema)
+	if err != nil {
+		return err
+	}
 	pool, err := db.connectMigrated(ctx, "onceflow-inbox")
 	if err != nil {
 		return err
@@ -95,7 +99,7 @@ func (c *cli) inboxPoisonReplay(ctx context.Context, args []string) error {
 	var res inbox.ReplayResult
 	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		var err error
-		res, err = inbox.ReplayTx(ctx, tx, db.schema, f)
+		res, err = admin.ReplayTx(ctx, tx, f)
 		return err
 	})
 	p := &printer{w: c.stdout}

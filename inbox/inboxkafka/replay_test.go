@@ -55,7 +55,7 @@ func TestBatchConsumerReplaysGivenUpMessages(t *testing.T) {
 	})
 	fixed.Store(true)
 	if err := pgx.BeginFunc(ctx, f.db.Pool, func(tx pgx.Tx) error {
-		res, err := inbox.ReplayTx(ctx, tx, f.db.Schema, inbox.ReplayFilter{Consumer: "setbased"})
+		res, err := f.admin().ReplayTx(ctx, tx, inbox.ReplayFilter{Consumer: "setbased"})
 		if err == nil && len(res.Requested) != 6 {
 			t.Errorf("requested %d, want 6", len(res.Requested))
 		}
@@ -101,4 +101,14 @@ func waitUntil(t *testing.T, what string, cond func() bool) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// admin is the inbox's Admin over the fixture's schema.
+func (f *bfix) admin() *inbox.Admin {
+	f.t.Helper()
+	a, err := inbox.NewAdmin(f.db.Schema)
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	return a
 }

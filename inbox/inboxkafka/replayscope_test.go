@@ -75,7 +75,7 @@ func TestBatchReplaysRunOnlyTheirOwnHandlersRows(t *testing.T) {
 	stopB()
 	broken.Store(false) // the fix is deployed
 	if err := pgx.BeginFunc(ctx, f.db.Pool, func(tx pgx.Tx) error {
-		res, err := inbox.ReplayTx(ctx, tx, f.db.Schema, inbox.ReplayFilter{Consumer: "shared", By: "test"})
+		res, err := f.admin().ReplayTx(ctx, tx, inbox.ReplayFilter{Consumer: "shared", By: "test"})
 		if err == nil && len(res.Requested) != 3 {
 			t.Errorf("requested %v, want the 3 rows", res.Requested)
 		}

@@ -171,7 +171,7 @@ func Unfixable(err error) bool {
 }
 
 // Replayer is a BatchProcessor that applies the replay requests of its consumer's poison rows
-// (inbox.ReplayTx). inboxkafka.BatchConsumer runs ApplyReplays every ReplayInterval while it
+// (inbox.Admin.ReplayTx). inboxkafka.BatchConsumer runs ApplyReplays every ReplayInterval while it
 // runs; the processors of inbox.Inbox.Batch, BatchNoPublish and BatchFunc are Replayers. The
 // saga orchestrator and participants are not: their poison rows are refused (see ReplayTx).
 type Replayer interface {
