@@ -315,7 +315,7 @@ func (c *Console) action(h func(http.ResponseWriter, *http.Request) error) http.
 
 // failErr renders the page for err: its own status for a pageError, 400 with its text for a
 // request the packages refuse (a saga in another state, a bad filter, an empty replay
-// filter, a poison row missing or refused), 404 for a missing saga, 500 (text logged, not
+// filter), 404 for a missing saga, 500 (text logged, not
 // shown) otherwise: a database error can name internals an operator's browser need not see.
 func (c *Console) failErr(w http.ResponseWriter, r *http.Request, err error) {
 	var pe *pageError
@@ -324,8 +324,7 @@ func (c *Console) failErr(w http.ResponseWriter, r *http.Request, err error) {
 		c.fail(w, r, pe.status, pe.msg)
 	case errors.Is(err, saga.ErrNotFound):
 		c.fail(w, r, http.StatusNotFound, err.Error())
-	case errors.Is(err, saga.ErrWrongState), errors.Is(err, saga.ErrBadFilter), errors.Is(err, relay.ErrEmptyReplayFilter),
-		errors.Is(err, inbox.ErrNoPoisonRow), errors.Is(err, inbox.ErrReplayRefused):
+	case errors.Is(err, saga.ErrWrongState), errors.Is(err, saga.ErrBadFilter), errors.Is(err, relay.ErrEmptyReplayFilter):
 		c.fail(w, r, http.StatusBadRequest, err.Error())
 	case r.Context().Err() != nil:
 		// The client went away; nothing to render.

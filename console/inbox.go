@@ -29,23 +29,20 @@ type inboxData struct {
 // poisonPageSize is one page of the poison list, newest first, keyset-paginated on id.
 const poisonPageSize = 100
 
-func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) {
+func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) error {
 	consumer, err := param(r, "consumer")
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	var before int64 // 0: from the newest row
 	if b := r.URL.Query().Get("before"); b != "" {
 		if before, err = strconv.ParseInt(b, 10, 64); err != nil || before < 1 {
-			c.failErr(w, r, badInput("before %q is not a row id", b))
-			return
+			return badInput("before %q is not a row id", b)
 		}
 	}
 	list, err := c.inbox.Poison(r.Context(), c.cfg.DB, inbox.PoisonFilter{Consumer: consumer, Before: before, Limit: poisonPageSize})
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := inboxData{Consumer: consumer, Rows: list, Deleted: r.URL.Query().Get("deleted") == "1", Replayed: r.URL.Query().Get("replayed"),
 		DeleteAll: c.link("/inbox/delete") + query("consumer", consumer), ReplayAll: c.link("/inbox/replay") + query("consumer", consumer)}
@@ -56,6 +53,7 @@ func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) {
 		v.Next = c.link("/inbox") + query("consumer", consumer, "before", strconv.FormatInt(list[len(list)-1].ID, 10))
 	}
 	c.render(w, r, http.StatusOK, "inbox", v)
+	return nil
 }
 
 // poisonID reads the {id} of a poison row's URL.
@@ -68,37 +66,29 @@ func poisonID(r *http.Request) (int64, error) {
 	return id, nil
 }
 
-// poisonOfPath reads the poison row the request's path names; when it cannot (a bad id, no
-// such row, the database) it has answered the request, and ok is false.
-func (c *Console) poisonOfPath(w http.ResponseWriter, r *http.Request) (id int64, p *inbox.PoisonRow, ok bool) {
-	id, err := poisonID(r)
-	if err != nil {
-		c.failErr(w, r, err)
-		return 0, nil, false
+// poisonOfPath reads the poison row the request's path names.
+func (c *Console) poisonOfPath(r *http.Request) (id int64, p *inbox.PoisonRow, err error) {
+	if id, err = poisonID(r); err != nil {
+		return 0, nil, err
 	}
 	p, err = c.inbox.PoisonByID(r.Context(), c.cfg.DB, id)
 	if errors.Is(err, inbox.ErrNoPoisonRow) {
-		c.fail(w, r, http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
-		return 0, nil, false
+		return 0, nil, pageErr(http.StatusNotFound, "There is no poison row "+strconv.FormatInt(id, 10)+" (deleted already?).")
 	}
-	if err != nil {
-		c.failErr(w, r, err)
-		return 0, nil, false
-	}
-	return id, p, true
+	return id, p, err
 }
 
-func (c *Console) poisonPage(w http.ResponseWriter, r *http.Request) {
-	id, p, ok := c.poisonOfPath(w, r)
-	if !ok {
-		return
+func (c *Console) poisonPage(w http.ResponseWriter, r *http.Request) error {
+	id, p, err := c.poisonOfPath(r)
+	if err != nil {
+		return err
 	}
 	es, err := c.auditOf(r, strconv.FormatInt(id, 10), poisonAuditActions)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	c.render(w, r, http.StatusOK, "poison", poisonData{PoisonRow: p, Requested: r.URL.Query().Get("replayed") == "1", Audit: es})
+	return nil
 }
 
 // poisonData is a poison row's page.
@@ -108,10 +98,10 @@ type poisonData struct {
 	Audit     []audit.Entry // operators' actions on the row, newest first
 }
 
-func (c *Console) poisonDeleteConfirm(w http.ResponseWriter, r *http.Request) {
-	id, p, ok := c.poisonOfPath(w, r)
-	if !ok {
-		return
+func (c *Console) poisonDeleteConfirm(w http.ResponseWriter, r *http.Request) error {
+	id, p, err := c.poisonOfPath(r)
+	if err != nil {
+		return err
 	}
 	back := c.link("/inbox/" + strconv.FormatInt(id, 10))
 	c.render(w, r, http.StatusOK, "confirm", confirmData{
@@ -119,16 +109,13 @@ func (c *Console) poisonDeleteConfirm(w http.ResponseWriter, r *http.Request) {
 		Effect: "Delete removes the row from inbox_poison once the message is handled. Its dedup row stays, " +
 			"so a redelivery of the message is still skipped; nothing is re-applied.",
 		Action: back + "/delete", Back: back, Hidden: map[string]string{"consumer": p.Consumer}})
+	return nil
 }
 
-func (c *Console) poisonDelete(w http.ResponseWriter, r *http.Request) {
-	if !c.checkPost(w, r) {
-		return
-	}
+func (c *Console) poisonDelete(w http.ResponseWriter, r *http.Request) error {
 	id, err := poisonID(r)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	consumer := r.PostForm.Get("consumer") // the list to go back to
 	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
@@ -141,10 +128,10 @@ func (c *Console) poisonDelete(w http.ResponseWriter, r *http.Request) {
 	})
 	c.logAction(r, "inbox poison delete", err, "poison_id", id)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	http.Redirect(w, r, c.link("/inbox")+query("consumer", consumer, "deleted", "1"), http.StatusSeeOther)
+	return nil
 }
 
 // poisonFilter reads a bulk delete's filter: a consumer (required: a click never deletes every
@@ -163,18 +150,16 @@ func poisonFilter(get func(string) string) (consumer, errText string, err error)
 	return consumer, errText, nil
 }
 
-func (c *Console) poisonBulkConfirm(w http.ResponseWriter, r *http.Request) {
+func (c *Console) poisonBulkConfirm(w http.ResponseWriter, r *http.Request) error {
 	consumer, errText, err := poisonFilter(r.URL.Query().Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	// The rows the delete below takes, counted as it selects them; a larger cleanup is
 	// several clicks, each logged.
 	n, first, err := c.inbox.CountPoison(r.Context(), c.cfg.DB, consumer, errText, inbox.MaxDeleteLimit)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := confirmData{Title: "Delete poison rows of consumer " + consumer, Action: c.link("/inbox/delete"), Back: c.link("/inbox") + query("consumer", consumer),
 		Effect: "Delete removes the selected rows from inbox_poison once their messages are handled. Their dedup rows stay, " +
@@ -187,16 +172,13 @@ func (c *Console) poisonBulkConfirm(w http.ResponseWriter, r *http.Request) {
 		v.Refusal = "No poison row matches: there is nothing to delete."
 	}
 	c.render(w, r, http.StatusOK, "confirm", v)
+	return nil
 }
 
-func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) {
-	if !c.checkPost(w, r) {
-		return
-	}
+func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) error {
 	consumer, errText, err := poisonFilter(r.PostForm.Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	var n int
 	err = pgx.BeginFunc(r.Context(), c.cfg.DB, func(tx pgx.Tx) error {
@@ -209,10 +191,10 @@ func (c *Console) poisonBulkDelete(w http.ResponseWriter, r *http.Request) {
 	})
 	c.logAction(r, "inbox poison delete", err, "consumer", consumer, "error_contains", errText, "deleted", n)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	http.Redirect(w, r, c.link("/inbox")+query("consumer", consumer, "deleted", "1"), http.StatusSeeOther)
+	return nil
 }
 
 // Replay (inbox.Admin.ReplayTx): the console files the request, in one transaction with the row's
@@ -225,11 +207,11 @@ const replayEffect = "Replay re-drives the message through its own consumer, exa
 	"within its replay interval (5 s by default). No other consumer group of the topic sees it again. " +
 	"If it fails again it is given up again (state poison, with its attempts and history). Deploy the fix first."
 
-// replayError maps ReplayTx's refusals to the 400 page that says why; anything else is the
-// database's.
+// replayError maps ReplayTx's refusals (no such row, a refused row) to the request's own
+// error, shown whole; anything else is the database's.
 func replayError(err error) error {
 	if errors.Is(err, inbox.ErrNoPoisonRow) || errors.Is(err, inbox.ErrReplayRefused) {
-		return badInput("%s", strings.TrimPrefix(err.Error(), "inbox: replay: "))
+		return badInput("%v", err)
 	}
 	return err
 }
@@ -245,40 +227,37 @@ func (c *Console) dryRunReplay(r *http.Request, f inbox.ReplayFilter) (inbox.Rep
 	return res, err
 }
 
-func (c *Console) poisonReplayConfirm(w http.ResponseWriter, r *http.Request) {
-	id, p, ok := c.poisonOfPath(w, r)
-	if !ok {
-		return
+func (c *Console) poisonReplayConfirm(w http.ResponseWriter, r *http.Request) error {
+	id, p, err := c.poisonOfPath(r)
+	if err != nil {
+		return err
 	}
 	back := c.link("/inbox/" + strconv.FormatInt(id, 10))
 	v := confirmData{Title: "Replay poison message " + strconv.FormatInt(id, 10) + " of consumer " + p.Consumer,
 		Effect: replayEffect, Action: back + "/replay", Back: back, Count: 1, IDs: []string{strconv.FormatInt(id, 10)}}
 	if _, err := c.dryRunReplay(r, inbox.ReplayFilter{IDs: []int64{id}}); err != nil {
-		if err = replayError(err); !errors.Is(err, errBadInput) {
-			c.failErr(w, r, err)
-			return
+		msg, ok := inputText(replayError(err))
+		if !ok {
+			return err
 		}
-		v.Refusal, v.IDs = strings.TrimPrefix(err.Error(), errBadInput.Error()+": "), nil
+		v.Refusal, v.IDs = msg, nil
 	}
 	c.render(w, r, http.StatusOK, "confirm", v)
+	return nil
 }
 
-func (c *Console) poisonReplay(w http.ResponseWriter, r *http.Request) {
-	if !c.checkPost(w, r) {
-		return
-	}
+func (c *Console) poisonReplay(w http.ResponseWriter, r *http.Request) error {
 	id, err := poisonID(r)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	res, err := c.requestReplay(r, inbox.ReplayFilter{IDs: []int64{id}})
 	c.logAction(r, "inbox poison replay", err, "poison_id", id, "requested", len(res.Requested))
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	http.Redirect(w, r, c.link("/inbox/"+strconv.FormatInt(id, 10))+"?replayed=1", http.StatusSeeOther)
+	return nil
 }
 
 // requestReplay files a replay request in its own transaction, by the console's user.
@@ -309,21 +288,20 @@ func replayFilter(get func(string) string) (inbox.ReplayFilter, map[string]strin
 		map[string]string{"consumer": consumer, "error": errText}, nil
 }
 
-func (c *Console) poisonBulkReplayConfirm(w http.ResponseWriter, r *http.Request) {
+func (c *Console) poisonBulkReplayConfirm(w http.ResponseWriter, r *http.Request) error {
 	f, hidden, err := replayFilter(r.URL.Query().Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := confirmData{Title: "Replay the poison rows of consumer " + f.Consumer, Effect: replayEffect,
 		Action: c.link("/inbox/replay"), Back: c.link("/inbox") + query("consumer", f.Consumer), Hidden: hidden}
 	res, err := c.dryRunReplay(r, f)
 	if err != nil {
-		if err = replayError(err); !errors.Is(err, errBadInput) {
-			c.failErr(w, r, err)
-			return
+		msg, ok := inputText(replayError(err))
+		if !ok {
+			return err
 		}
-		v.Refusal = strings.TrimPrefix(err.Error(), errBadInput.Error()+": ")
+		v.Refusal = msg
 	}
 	v.Count, v.More, v.Takes = int64(len(res.Requested)), res.More, res.More
 	for i, id := range res.Requested {
@@ -336,25 +314,22 @@ func (c *Console) poisonBulkReplayConfirm(w http.ResponseWriter, r *http.Request
 		v.Effect += fmt.Sprintf(" %d matching rows are refused and stay as they are (a saga's message, or no dedup key; their pages say why).", len(res.Refused))
 	}
 	c.render(w, r, http.StatusOK, "confirm", v)
+	return nil
 }
 
-func (c *Console) poisonBulkReplay(w http.ResponseWriter, r *http.Request) {
-	if !c.checkPost(w, r) {
-		return
-	}
+func (c *Console) poisonBulkReplay(w http.ResponseWriter, r *http.Request) error {
 	f, _, err := replayFilter(r.PostForm.Get)
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	res, err := c.requestReplay(r, f)
 	c.logAction(r, "inbox poison replay", err, "consumer", f.Consumer, "error_contains", f.ErrorContains,
 		"requested", len(res.Requested), "refused", len(res.Refused))
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	http.Redirect(w, r, c.link("/inbox")+query("consumer", f.Consumer, "replayed", strconv.Itoa(len(res.Requested))), http.StatusSeeOther)
+	return nil
 }
 
 // idemRecord is one row of idempotency_record.
@@ -392,20 +367,18 @@ type idemData struct {
 // maxBodyShown bounds the stored response body rendered into the page.
 const maxBodyShown = 64 << 10
 
-func (c *Console) idempotencyPage(w http.ResponseWriter, r *http.Request) {
+func (c *Console) idempotencyPage(w http.ResponseWriter, r *http.Request) error {
 	p, err := params(r, "owner", "key")
 	if err != nil {
-		c.failErr(w, r, err)
-		return
+		return err
 	}
 	v := idemData{Owner: p["owner"], Key: p["key"], Now: time.Now()}
 	if v.Key != "" && v.Owner == "" {
-		c.failErr(w, r, badInput("keys are scoped per owner: give the owner too"))
-		return
+		return badInput("keys are scoped per owner: give the owner too")
 	}
 	if v.Owner == "" {
 		c.render(w, r, http.StatusOK, "idempotency", v)
-		return
+		return nil
 	}
 	v.Searched = true
 	if v.Key != "" {
@@ -413,8 +386,7 @@ func (c *Console) idempotencyPage(w http.ResponseWriter, r *http.Request) {
 		switch {
 		case errors.Is(err, idempotency.ErrNoRecord):
 		case err != nil:
-			c.failErr(w, r, err)
-			return
+			return err
 		default:
 			shown := idemRecordOf(*rec)
 			v.Record = &shown
@@ -423,12 +395,12 @@ func (c *Console) idempotencyPage(w http.ResponseWriter, r *http.Request) {
 		// The owner's keys: a bounded range of the primary key (owner, idem_key).
 		recs, err := c.idem.List(r.Context(), c.cfg.DB, v.Owner, "", 100)
 		if err != nil {
-			c.failErr(w, r, err)
-			return
+			return err
 		}
 		for _, rec := range recs {
 			v.Keys = append(v.Keys, idemRecordOf(rec))
 		}
 	}
 	c.render(w, r, http.StatusOK, "idempotency", v)
+	return nil
 }

@@ -254,7 +254,7 @@ func Read(ctx context.Context, db DB, schema string, th Thresholds) (*Report, er
 	for i, p := range poison {
 		r.InboxPoison[i] = Poison{Consumer: p.Consumer, Count: p.Poison, ReplayRequested: p.ReplayRequested}
 		if p.ReplayRequested > 0 {
-			r.InboxPoison[i].OldestRequestSeconds = age(p.OldestRequest)
+			r.InboxPoison[i].OldestRequestSeconds = p.OldestRequestAge().Seconds()
 		}
 	}
 	parked, err := sagas.ParkedByVersion(ctx, db)

@@ -12,7 +12,6 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/onceflow/onceflow/inbox"
-	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
 )
 
@@ -109,7 +108,6 @@ func (c *cli) outboxFind(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	t := func(name string) string { return pgsql.Table(db.schema, name) }
 	admin, err := relay.NewAdmin(db.schema)
 	if err != nil {
 		return err

@@ -278,7 +278,7 @@ func (c *cli) inboxPoisonDelete(ctx context.Context, args []string) error {
 		return fmt.Errorf("no poison row%s with id %s in schema %q; nothing deleted (see onceflow inbox poison)", of, strings.Join(missing, ", "), db.schema)
 	}
 	if err != nil {
-		return fmt.Errorf("delete from %s.inbox_poison: %w", db.schema, err)
+		return err
 	}
 	slices.Sort(deleted)
 	p := &printer{w: c.stdout}
