@@ -3,7 +3,6 @@ package console
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net/http"
 	"strconv"
 
@@ -121,7 +120,7 @@ func (c *Console) requestUpgrade(ctx context.Context, d upgradeData, id string) 
 		return err
 	}
 	if s.Name != d.Name {
-		return fmt.Errorf("%w: saga %q: it is a %s saga, not %s", saga.ErrNotUpgradable, id, s.Name, d.Name)
+		return &saga.Refusal{ID: id, Kind: saga.ErrNotUpgradable, Reason: "it is a " + s.Name + " saga, not " + d.Name}
 	}
 	return pgx.BeginFunc(ctx, c.cfg.DB, func(tx pgx.Tx) error {
 		return c.sagas.RequestUpgradeTx(ctx, tx, id, d.From, d.To)
