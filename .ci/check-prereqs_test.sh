@@ -28,7 +28,7 @@ tools() {
 # expect runs check-prereqs and compares its exit status and the number of lines it printed.
 expect() {
   local want=$1 lines=$2 name=$3 got=0 out n
-  out=$(env -i PATH="$tmp/bin" HOME="$tmp" CHECK_PREREQS_PGLIB="$tmp/nopg" ${DB:+DATABASE_URL=$DB} \
+  out=$(env -i PATH="$tmp/bin" HOME="$tmp" CHECK_PREREQS_PGLIB="$tmp/nopg" CHECK_PREREQS_SBIN="$tmp/nosbin" ${DB:+DATABASE_URL=$DB} \
     "$bash_bin" "$script" 2>&1) || got=$?
   n=$(printf '%s' "$out" | grep -c . || true)
   if [ "$got" -ne "$want" ] || [ "$n" -ne "$lines" ]; then
@@ -40,23 +40,30 @@ expect() {
   fi
 }
 
-tools go initdb pg_ctl redis-server chromium
+tools go initdb pg_ctl redis-server chromium pgbouncer
 if [ "$(id -u)" -eq 0 ] && ! id postgres >/dev/null 2>&1; then
   expect 1 1 "root without a postgres user"
 else
   expect 0 0 "everything installed"
 fi
 
-tools go initdb pg_ctl chromium
+tools go initdb pg_ctl chromium pgbouncer
 expect 1 1 "no redis-server"
 
-tools go initdb pg_ctl redis-server
+tools go initdb pg_ctl redis-server pgbouncer
 expect 1 1 "no chromium"
 
-tools go initdb pg_ctl redis-server chromium-browser
+tools go initdb pg_ctl redis-server chromium-browser pgbouncer
 expect 0 0 "chromium-browser instead of chromium"
 
-tools go redis-server chromium
+tools go initdb pg_ctl redis-server chromium
+expect 1 1 "no pgbouncer"
+
+mkdir -p "$tmp/nosbin" && printf '#!%s\n' "$bash_bin" >"$tmp/nosbin/pgbouncer" && chmod +x "$tmp/nosbin/pgbouncer"
+expect 0 0 "pgbouncer in /usr/sbin, not on PATH"
+rm -rf "$tmp/nosbin"
+
+tools go redis-server chromium pgbouncer
 expect 1 2 "no PostgreSQL: one line each for initdb and pg_ctl"
 DB=postgres://x/y expect 0 0 "no PostgreSQL binaries but DATABASE_URL set"
 
@@ -64,14 +71,14 @@ mkdir -p "$tmp/nopg/15/bin" && printf '#!%s\n' "$bash_bin" >"$tmp/nopg/15/bin/in
 expect 0 0 "PostgreSQL in the Debian library folder, not on PATH"
 rm -rf "$tmp/nopg"
 
-tools initdb pg_ctl redis-server chromium
+tools initdb pg_ctl redis-server chromium pgbouncer
 expect 1 1 "no go"
 
-GOV=go1.25.3 tools go initdb pg_ctl redis-server chromium
+GOV=go1.25.3 tools go initdb pg_ctl redis-server chromium pgbouncer
 expect 1 1 "go too old"
 
 tools
-expect 1 5 "nothing installed"
+expect 1 6 "nothing installed"
 
 if [ "$failures" -gt 0 ]; then
   echo "check-prereqs_test: $failures failed"

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
@@ -53,8 +54,20 @@ const (
 // default. New reports every invalid field at once.
 type Config struct {
 	// Pool reaches the database holding the migrated schema. Required. The relay also opens one
-	// extra connection of its own (with the pool's settings) for LISTEN.
+	// extra connection of its own (with the pool's settings, or ListenConnConfig) for LISTEN.
+	// Pool may go through PgBouncer in transaction mode; give its ConnConfig a
+	// DefaultQueryExecMode that pooler supports (docs/relay.md, "Connection poolers").
 	Pool *pgxpool.Pool
+
+	// ListenConnConfig is the connection the relay LISTENs on for writers' notifications.
+	// Default nil: a copy of Pool's. Set it (from pgx.ParseConfig) when Pool goes through a
+	// pooler in transaction or statement mode (PgBouncer's pool_mode = transaction): there a
+	// LISTEN holds for one statement only, the pooler hands the listening server connection to
+	// other clients and no notification reaches the relay. Point it at the primary directly
+	// or at a session-mode pool; it costs one server connection per relay. The relay checks
+	// every listener connection once (a NOTIFY sent through Pool must arrive) and, when it
+	// does not, logs a warning that says so and polls instead (see DisableListen).
+	ListenConnConfig *pgx.ConnConfig
 	// Sink publishes the claimed rows. Required: relaykafka.NewSink for Kafka, or
 	// NewPublisherSink for any Watermill publisher.
 	Sink Sink
@@ -143,7 +156,9 @@ type Config struct {
 
 	// DisableListen turns off LISTEN/NOTIFY; the relay then finds rows by polling only (every
 	// BusyPollInterval while rows arrive, backing off to PollInterval when idle), and never asks
-	// writers to notify it.
+	// writers to notify it. The choice behind a transaction-mode pooler when no direct or
+	// session-mode connection is available for ListenConnConfig: idle latency up to
+	// PollInterval, no listener connection and no start-up check.
 	DisableListen bool
 
 	// Logger receives the relay's logs. Default: slog.Default().

@@ -57,7 +57,9 @@ func newRelayOnPool(t testing.TB, pool *pgxpool.Pool, db *testdb.DB, brokers []s
 	}
 	t.Cleanup(func() { _ = sink.Close() })
 	cfg.Schema = db.Schema
-	cfg.Logger = testLogger(t)
+	if cfg.Logger == nil {
+		cfg.Logger = testLogger(t)
+	}
 	cfg.Pool, cfg.Sink = pool, sink
 	r, err := relay.New(cfg)
 	if err != nil {

@@ -12,10 +12,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/relay"
 	"github.com/onceflow/onceflow/relay/relaykafka"
 	"github.com/onceflow/onceflow/relay/relayprom"
@@ -81,6 +83,11 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 	db := c.addDBFlags(fs)
 	env := envParser{getenv: c.getenv}
 	kafka := c.addKafkaFlags(fs, &env, relaykafka.DefaultClientID)
+	listenURL := c.getenv("ONCEFLOW_LISTEN_DATABASE_URL")
+	c.secrets.add(listenURL) // masked in everything the command writes, as DATABASE_URL is
+	fs.Var(&dsnValue{s: &listenURL, secrets: c.secrets, warn: c.stderr, flag: "--listen-database-url", env: "ONCEFLOW_LISTEN_DATABASE_URL"}, "listen-database-url",
+		"connection `string` for the relay's LISTEN connection, when --database-url goes through a pooler in transaction mode "+
+			"(PgBouncer): the primary directly or a session-mode pool (default: --database-url) [ONCEFLOW_LISTEN_DATABASE_URL]")
 	var (
 		compression     = fs.String("kafka-compression", c.envOr("ONCEFLOW_KAFKA_COMPRESSION", relaykafka.DefaultCompression), "codec of record batches: none, gzip, snappy, lz4 or zstd; every consumer must decode it [ONCEFLOW_KAFKA_COMPRESSION]")
 		batchSize       = fs.Int("batch-size", env.int("ONCEFLOW_RELAY_BATCH_SIZE", relay.DefaultBatchSize), "most rows claimed and sent to Kafka per round trip [ONCEFLOW_RELAY_BATCH_SIZE]")
@@ -97,6 +104,7 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		metricsAddr     = fs.String("metrics-addr", c.getenv("ONCEFLOW_METRICS_ADDR"), "serve Prometheus /metrics and /healthz on this address, e.g. :9464 (default: off) [ONCEFLOW_METRICS_ADDR]")
 		logLevel        = fs.String("log-level", c.envOr("ONCEFLOW_LOG_LEVEL", "info"), "debug, info, warn or error [ONCEFLOW_LOG_LEVEL]")
 		logFormat       = fs.String("log-format", c.envOr("ONCEFLOW_LOG_FORMAT", "text"), "text or json [ONCEFLOW_LOG_FORMAT]")
+		noListen        = fs.Bool("no-listen", env.bool("ONCEFLOW_RELAY_NO_LISTEN", false), "no LISTEN connection: poll only (idle rows wait up to --poll-interval); behind a transaction-mode pooler without --listen-database-url [ONCEFLOW_RELAY_NO_LISTEN]")
 		reshard         = fs.Bool("reshard", env.bool("ONCEFLOW_RELAY_RESHARD", false), "before starting, change the lease table to --shards (refused while any relay of the schema runs) [ONCEFLOW_RELAY_RESHARD]")
 	)
 	if err := parse(fs, args); err != nil {
@@ -148,7 +156,22 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		MaxAttempts:      *maxAttempts,
 		ShutdownTimeout:  *shutdownTimeout,
 		InstanceID:       *instanceID,
+		DisableListen:    *noListen,
 		Logger:           logger,
+	}
+	if listenURL != "" {
+		lcfg, err := pgx.ParseConfig(listenURL)
+		switch {
+		case err != nil:
+			problems = append(problems, pgsql.RedactError(fmt.Errorf("--listen-database-url: %w", err), listenURL).Error())
+		case *noListen:
+			problems = append(problems, "--listen-database-url and --no-listen together: the relay either listens on that connection or does not listen; drop one")
+		default:
+			if lcfg.RuntimeParams["application_name"] == "" {
+				lcfg.RuntimeParams["application_name"] = "onceflow-relay-listen"
+			}
+			cfg.ListenConnConfig = lcfg
+		}
 	}
 	if metrics != nil {
 		cfg.Metrics = metrics

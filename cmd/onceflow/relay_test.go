@@ -29,6 +29,16 @@ func TestRelayCommandReportsEveryBadSetting(t *testing.T) {
 		t.Errorf("relay -h does not list the flags:\n%s", r.stderr)
 	}
 	runCmd(ctx, nil, "relay", "--nope").expect(t, "unknown flag", 2)
+	// The listener's connection: a URL pgx cannot parse, or one given with --no-listen, is
+	// refused with the rest, and its password is never shown.
+	r = runCmd(ctx, map[string]string{"ONCEFLOW_LISTEN_DATABASE_URL": "postgres://u:s3cret-pw@h:notaport/db"}, "relay").expect(t, "bad listen URL", 1)
+	if !strings.Contains(r.stderr, "--listen-database-url") || strings.Contains(r.stderr, "s3cret-pw") {
+		t.Errorf("output does not name --listen-database-url, or shows its password:\n%s", r.stderr)
+	}
+	r = runCmd(ctx, nil, "relay", "--listen-database-url", "postgres://h/db", "--no-listen").expect(t, "listen URL and --no-listen", 1)
+	if !strings.Contains(r.stderr, "--listen-database-url and --no-listen together") {
+		t.Errorf("output does not refuse --listen-database-url with --no-listen:\n%s", r.stderr)
+	}
 }
 
 // TestRelayCommandServesMetricsAndStopsCleanly runs the command in-process: it publishes,
