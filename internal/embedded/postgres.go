@@ -185,7 +185,9 @@ func (p *Postgres) Stop() error {
 	}
 	pgctl, err := findPGBinary("pg_ctl")
 	var stopErr error
-	if err == nil {
+	// A halted server (Halt, or a primary killed in a failover test) has nothing to stop.
+	_, statErr := os.Stat(filepath.Join(p.dir, "data", "postmaster.pid"))
+	if err == nil && statErr == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		if out, err := p.run(ctx, pgctl, "-D", filepath.Join(p.dir, "data"), "-m", "immediate", "-w", "stop"); err != nil {

@@ -177,3 +177,38 @@ func findPGTool(name string) (string, error) {
 	}
 	return findPGBinary(name)
 }
+
+// WaitReplayed waits until the standby p has replayed everything the primary had written when
+// it was called (pg_current_wal_lsn on primary, pg_last_wal_replay_lsn on p).
+func (p *Postgres) WaitReplayed(ctx context.Context, primary *Postgres) error {
+	ctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	pc, err := pgx.Connect(ctx, primary.url)
+	if err != nil {
+		return fmt.Errorf("embedded postgres: connect to primary: %w", err)
+	}
+	defer pc.Close(context.Background())
+	var target string
+	if err := pc.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&target); err != nil {
+		return fmt.Errorf("embedded postgres: read primary WAL position: %w", err)
+	}
+	sc, err := pgx.Connect(ctx, p.url)
+	if err != nil {
+		return fmt.Errorf("embedded postgres: connect to standby: %w", err)
+	}
+	defer sc.Close(context.Background())
+	for {
+		var done bool
+		if err := sc.QueryRow(ctx, `SELECT coalesce(pg_last_wal_replay_lsn() >= $1::text::pg_lsn, false)`, target).Scan(&done); err != nil {
+			return fmt.Errorf("embedded postgres: read standby replay position: %w", err)
+		}
+		if done {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("embedded postgres: standby did not replay up to %s: %w", target, ctx.Err())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
