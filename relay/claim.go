@@ -48,7 +48,10 @@ import (
 //
 // Resets. The cursor is per relay process. When the relay acquires shards (at start, on
 // failover, on rebalance), their rows below the cursor were never looked at, so the cursor goes
-// back to 0 and the next claims walk the table once.
+// back to 0 and the next claims walk the table once. So it does when a claim finds itself on
+// another PostgreSQL server than the last one (a promoted standby, a restart): the cursor's
+// ids and snapshot describe the old server's history, which the new one may lack the end of
+// (serverChanged).
 type cursor struct {
 	pos int64
 	ref string // pg_snapshot of the claim that set pos, as text; "" when pos is 0
