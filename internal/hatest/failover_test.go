@@ -184,7 +184,7 @@ func failover(t *testing.T, sync bool, lag, stepTimeout time.Duration) figures {
 		}
 	}
 	w.mu.Unlock()
-	t.Logf("figures: %s", f)
+	t.Logf("%s figures: %s", t.Name(), f)
 	return f
 }
 
