@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -47,7 +48,10 @@ import (
 //
 // Resets. The cursor is per relay process. When the relay acquires shards (at start, on
 // failover, on rebalance), their rows below the cursor were never looked at, so the cursor goes
-// back to 0 and the next claims walk the table once.
+// back to 0 and the next claims walk the table once. So it does when a claim finds itself on
+// another PostgreSQL server than the last one (a promoted standby, a restart): the cursor's
+// ids and snapshot describe the old server's history, which the new one may lack the end of
+// (serverChanged).
 type cursor struct {
 	pos int64
 	ref string // pg_snapshot of the claim that set pos, as text; "" when pos is 0
@@ -74,6 +78,10 @@ type claimed struct {
 	snap  string // claimNext: the claim's snapshot
 	seq   *int64 // claimNext: the outbox id sequence's last value, read by the claim
 	bytes int64  // payload, key, topic and metadata bytes of msgs
+	// server is the start time of the PostgreSQL server the claim ran on
+	// (pg_postmaster_start_time()): it changes when a failover or a restart puts the relay
+	// on another server, or on the same one after a crash (see serverChanged).
+	server time.Time
 }
 
 func (c *claimed) exhausted() bool { return c.taken < c.limit && len(c.msgs) == c.taken }
@@ -102,15 +110,15 @@ func (a *claimArgs) shardFilter(s snapshot, shards int) string {
 }
 
 // budgeted wraps a CTE named batch (rows in id order with a size column) into the final
-// select: a header row (head = true) carrying the claim's bookkeeping (its row columns are
-// placeholders, so every row scans into the same targets), then the rows that fit the byte
-// budget (the first row always does).
+// select: a header row (head = true) carrying the claim's bookkeeping and the server's start
+// time (its row columns are placeholders, so every row scans into the same targets), then the
+// rows that fit the byte budget (the first row always does).
 func budgeted(header string, budget string) string {
 	return `, sized AS (SELECT *, sum(size) OVER (ORDER BY id) AS run, row_number() OVER (ORDER BY id) AS rn FROM batch)
-	SELECT true AS head, ` + header + `, (SELECT count(*) FROM batch),
+	SELECT true AS head, ` + header + `, (SELECT count(*) FROM batch), pg_postmaster_start_time(),
 		0::bigint, '', '', '', 0::bigint, ''::bytea, '{}'::jsonb, 'epoch'::timestamptz, 0, 0::bigint
 	UNION ALL
-	SELECT false, NULL, NULL, NULL, NULL, id, event_id::text, topic, partition_key, key_hash, payload, metadata, created_at, attempts, size
+	SELECT false, NULL, NULL, NULL, NULL, NULL, id, event_id::text, topic, partition_key, key_hash, payload, metadata, created_at, attempts, size
 	FROM sized WHERE run <= ` + budget + ` OR rn = 1`
 }
 
@@ -174,6 +182,14 @@ func splitSnapshot(snap string) (xmax string, xip []string) {
 	return parts[1], xip
 }
 
+// snapshotXmax returns a pg_snapshot's xmax (the first transaction id it counts as not yet
+// started), ok=false if snap is not a snapshot.
+func snapshotXmax(snap string) (xmax uint64, ok bool) {
+	x, _ := splitSnapshot(snap)
+	v, err := strconv.ParseUint(x, 10, 64)
+	return v, err == nil && snap != ""
+}
+
 // retrySQL builds the retry claim: rows of the due chains from their lowest floor up to the
 // cursor, in id order (their rows above the cursor come through cursor claims once they are
 // no longer blocked).
@@ -221,11 +237,11 @@ const roundTripSettings = planSettings + `, ` + asyncCommit
 // the same transaction, does not see the deleted rows, as if the delete had committed before
 // it. (Each in a transaction of its own, BEGIN and COMMIT included, took eight statements.)
 // deleted reports whether the transaction, and so the delete, committed.
-func (r *Relay) runClaim(ctx context.Context, kind claimKind, sql string, args []any, limit int, del []int64) (c *claimed, deleted bool, err error) {
+func (r *Relay) runClaim(ctx context.Context, kind claimKind, sql string, args []any, limit int, del pendingDelete) (c *claimed, deleted bool, err error) {
 	b := &pgx.Batch{}
 	b.Queue(roundTripSettings)
-	if len(del) > 0 {
-		b.Queue(r.q.deleteAcked, del)
+	if len(del.ids) > 0 {
+		b.Queue(r.q.deleteAcked, del.ids, del.server)
 	}
 	b.Queue(sql, args...)
 	br := r.pool.SendBatch(ctx, b)
@@ -241,7 +257,7 @@ func (r *Relay) runClaim(ctx context.Context, kind claimKind, sql string, args [
 	if err := br.Close(); err != nil {
 		return nil, false, err // the implicit transaction did not commit: nor did the delete
 	}
-	return c, len(del) > 0, nil
+	return c, len(del.ids) > 0, nil
 }
 
 func scanClaim(br pgx.BatchResults, kind claimKind, limit int) (*claimed, error) {
@@ -260,11 +276,12 @@ func scanClaim(br pgx.BatchResults, kind claimKind, limit int) (*claimed, error)
 		head                      bool
 		low, seq, taken, id, size pgtype.Int8
 		snap                      pgtype.Text
+		server                    pgtype.Timestamptz
 		meta                      []byte
 	)
 	for rows.Next() {
 		m := &Message{}
-		if err := rows.Scan(&head, &low, &snap, &seq, &taken,
+		if err := rows.Scan(&head, &low, &snap, &seq, &taken, &server,
 			&id, &m.EventID, &m.Topic, &m.Key, &m.keyHash, &m.Payload, &meta, &m.CreatedAt, &m.Attempts, &size); err != nil {
 			return nil, err
 		}
@@ -282,6 +299,9 @@ func scanClaim(br pgx.BatchResults, kind claimKind, limit int) (*claimed, error)
 			}
 			if taken.Valid {
 				c.taken = int(taken.Int64)
+			}
+			if server.Valid {
+				c.server = server.Time
 			}
 			continue
 		}

@@ -304,9 +304,9 @@ func TestClaimRoundTripIsOneTransaction(t *testing.T) {
 	defer pool.Close()
 	r := steppedRelay(t, db, Config{Pool: pool, Sink: &ackSink{}})
 	// A claim-shaped query whose header reports the settings it ran with.
-	settings := `SELECT true, NULL::bigint, current_setting('enable_seqscan') || '/' || current_setting('synchronous_commit'), NULL::bigint, 0::bigint,
+	settings := `SELECT true, NULL::bigint, current_setting('enable_seqscan') || '/' || current_setting('synchronous_commit'), NULL::bigint, 0::bigint, NULL::timestamptz,
 		0::bigint, '', '', '', 0::bigint, ''::bytea, '{}'::jsonb, 'epoch'::timestamptz, 0, 0::bigint`
-	c, _, err := r.runClaim(ctx, claimNext, settings, nil, 10, nil)
+	c, _, err := r.runClaim(ctx, claimNext, settings, nil, 10, pendingDelete{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -337,7 +337,12 @@ func TestClaimRoundTripIsOneTransaction(t *testing.T) {
 		}
 		return n
 	}
-	if _, deleted, err := r.runClaim(ctx, claimNext, `SELECT 1/0`, nil, 10, ids[:1]); err == nil || deleted {
+	var server time.Time
+	if err := pool.QueryRow(ctx, `SELECT pg_postmaster_start_time()`).Scan(&server); err != nil {
+		t.Fatal(err)
+	}
+	del := pendingDelete{ids: ids[:1], server: server}
+	if _, deleted, err := r.runClaim(ctx, claimNext, `SELECT 1/0`, nil, 10, del); err == nil || deleted {
 		t.Fatalf("a failing claim returned err %v, deleted %v; want an error and no delete", err, deleted)
 	}
 	if n := count(); n != 3 {
@@ -349,7 +354,14 @@ func TestClaimRoundTripIsOneTransaction(t *testing.T) {
 	}
 	done()
 	sql, args := r.q.nextSQL(snap, r.cfg.Shards, cursor{}, blockedSet{}, 10, r.cfg.MaxBatchBytes)
-	c, deleted, err := r.runClaim(ctx, claimNext, sql, args, 10, ids[:1])
+	// A delete of rows claimed on another server (before a failover) deletes nothing here.
+	if _, _, err := r.runClaim(ctx, claimNext, sql, args, 10, pendingDelete{ids: ids[:1], server: server.Add(-time.Second)}); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(); n != 3 {
+		t.Fatalf("%d rows after a delete of rows claimed on another server, want 3 (nothing deleted)", n)
+	}
+	c, deleted, err := r.runClaim(ctx, claimNext, sql, args, 10, del)
 	if err != nil || !deleted {
 		t.Fatalf("claim with a delete: err %v, deleted %v", err, deleted)
 	}

@@ -237,7 +237,7 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 		cctx, cancelClaim := context.WithTimeout(bctx, r.cfg.StatementTimeout)
 		var deleted bool
 		var err error
-		c, deleted, err = r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize, r.pending.ids)
+		c, deleted, err = r.runClaim(cctx, kind, sql, args, r.cfg.BatchSize, r.pending)
 		cancelClaim()
 		tClaim = time.Since(t0)
 		if deleted {
@@ -252,6 +252,15 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 			r.log.Warn("relay claim failed; retrying", "err", err)
 			return stepOutcome{next: backOff, wait: r.globalBackoff()}
 		}
+	}
+	if changed, why := r.serverChanged(c); changed {
+		// Nothing of this claim is published: it ran from a cursor that means nothing here.
+		r.log.Warn("relay is on another PostgreSQL server than its last claim (failover, or a restart that lost its last commits); it reads the outbox again from the start: rows it had published and deleted on the old server may be published again, with their event ids",
+			"why", why)
+		r.cur = cursor{gen: snap.gen}
+		r.blocked.lowerFloors(0)
+		r.pending = pendingDelete{} // ran guarded by the old server (deleteAcked): deleted nothing here
+		return stepOutcome{next: claimAgain}
 	}
 	res := &result{}
 	if len(c.msgs) > 0 {
@@ -295,6 +304,36 @@ func (r *Relay) step(ctx context.Context) stepOutcome {
 		out.next = claimAgain
 	}
 	return out
+}
+
+// serverChanged reports whether claim c ran on another server than the claims before it, and
+// records c's server as the relay's. The claim cursor and the pending delete are facts about
+// one server: the cursor's reference snapshot holds that server's transaction ids, and every
+// row at or below its position was handled there. A standby promoted after a failover (or a
+// server that recovered from a crash) may lack the last commits the relay saw: its id sequence
+// and its transaction id counter are then behind, and rows written on it after the switch get
+// ids at or below the cursor and transaction ids the old snapshot counts as finished, so a
+// relay that kept its cursor would skip them for as long as it runs (its leases survive an
+// outage shorter than the lease fence; TestRelayFollowsAFailoverToAStandbyThatLagged).
+// Detected by the server's start time (every failover or restart changes it) and, for a
+// crash recovery without a restart of the postmaster, by a snapshot whose xmax went
+// backwards. The caller restarts the cursor, as for shards it acquires.
+func (r *Relay) serverChanged(c *claimed) (bool, string) {
+	prev := r.server
+	if !c.server.IsZero() {
+		r.server = c.server
+	}
+	switch {
+	case !prev.IsZero() && !c.server.IsZero() && !c.server.Equal(prev):
+		return true, fmt.Sprintf("server started at %s, the last claim's at %s", c.server.Format(time.RFC3339Nano), prev.Format(time.RFC3339Nano))
+	case c.kind == claimNext && r.cur.ref != "" && c.snap != "":
+		old, ok1 := snapshotXmax(r.cur.ref)
+		now, ok2 := snapshotXmax(c.snap)
+		if ok1 && ok2 && now < old {
+			return true, fmt.Sprintf("transaction ids went backwards: next id %d, the last claim saw %d", now, old)
+		}
+	}
+	return false, ""
 }
 
 // advance moves the cursor after a batch (see cursor) and settles retried chains.
@@ -350,6 +389,9 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StatementTimeout)
 	defer cancel()
 	now := time.Now()
+	if len(res.ackedMsgs) > 0 {
+		r.pending.server = r.server // the rows were claimed there (step checked serverChanged)
+	}
 	for _, m := range res.ackedMsgs {
 		r.pending.ids = append(r.pending.ids, m.ID)
 		r.pending.chains = append(r.pending.chains, m.blockKey)
@@ -398,7 +440,8 @@ func (r *Relay) finish(ctx context.Context, snap snapshot, msgs []*Message, res 
 // not stay alive while the next batch is read.
 type pendingDelete struct {
 	ids    []int64
-	chains []string // blockKey of each row, in the order of ids
+	chains []string  // blockKey of each row, in the order of ids
+	server time.Time // start time of the server the rows were claimed from (deleteAcked)
 }
 
 // flushPending deletes the pending acknowledged rows now. If that fails, the rows are treated
@@ -413,7 +456,7 @@ func (r *Relay) flushPending(ctx context.Context) {
 	r.pending = pendingDelete{}
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.cfg.StatementTimeout)
 	defer cancel()
-	if err := r.deleteAcked(fctx, p.ids); err != nil {
+	if err := r.deleteAcked(fctx, p); err != nil {
 		r.m.Failed(FailureDatabase, 1)
 		r.log.Warn("relay could not delete acknowledged rows; they will be published again (same event ids)", "rows", len(p.ids), "err", err)
 		r.undeleted(p)
@@ -438,10 +481,10 @@ func (r *Relay) undeleted(p pendingDelete) {
 // the flush, the rows come back and are published again with the same event ids, which the
 // contract allows, and every batch saves a disk flush. The two statements run as one implicit
 // transaction (a pgx batch ends with a single Sync), so the setting ends with it.
-func (r *Relay) deleteAcked(ctx context.Context, ids []int64) error {
+func (r *Relay) deleteAcked(ctx context.Context, p pendingDelete) error {
 	b := &pgx.Batch{}
 	b.Queue(`SELECT ` + asyncCommit)
-	b.Queue(r.q.deleteAcked, ids)
+	b.Queue(r.q.deleteAcked, p.ids, p.server)
 	return r.pool.SendBatch(ctx, b).Close()
 }
 

@@ -50,7 +50,7 @@ func (r *Relay) startPrefetch(ctx context.Context, snap snapshot, c *claimed) {
 	go func() {
 		defer close(p.done)
 		defer cancel()
-		p.c, p.deleted, p.err = r.runClaim(pctx, claimNext, sql, args, r.cfg.BatchSize, p.del.ids)
+		p.c, p.deleted, p.err = r.runClaim(pctx, claimNext, sql, args, r.cfg.BatchSize, p.del)
 	}()
 	r.prefetched = p
 }
@@ -69,6 +69,7 @@ func (r *Relay) takePrefetch() *prefetch {
 		r.pending = pendingDelete{
 			ids:    append(p.del.ids, r.pending.ids...),
 			chains: append(p.del.chains, r.pending.chains...),
+			server: p.del.server,
 		}
 	}
 	return p

@@ -38,6 +38,7 @@ type Relay struct {
 
 	// The publishing loop's own state (only the loop goroutine touches it).
 	cur         cursor    // where the next claim starts
+	server      time.Time // start time of the server the last claim ran on (serverChanged)
 	retriedLast bool      // the last claim was a retry claim: the next one claims from the cursor
 	lastRows    time.Time // when a claim last returned rows
 	backoff     time.Duration

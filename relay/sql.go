@@ -79,7 +79,14 @@ func newQueries(schema string) *queries {
 
 	// Acknowledged rows go unconditionally: the broker has them, so deleting them even after
 	// the lease was lost can only prevent a duplicate, never lose or reorder anything.
-	q.deleteAcked = `DELETE FROM ` + q.outbox + ` WHERE id = ANY($1::bigint[])`
+	//
+	// Only on the server the rows were claimed from ($2, its pg_postmaster_start_time()): ids
+	// are not identities across servers. After a failover to a standby that lacked the old
+	// primary's last commits, its id sequence hands out again ids the relay published from the
+	// old primary, for other events; deleting by those ids would delete rows never published.
+	// A delete sent to another server deletes nothing: the rows, if there, are published again
+	// with their event ids (see serverChanged).
+	q.deleteAcked = `DELETE FROM ` + q.outbox + ` WHERE id = ANY($1::bigint[]) AND pg_postmaster_start_time() = $2::timestamptz`
 	// Attempts and parking change what gets published, so they require the lease (owner and
 	// epoch of the row's shard) to still be ours. $4 is the epoch array indexed by shard.
 	leaseHeld := `l.shard = o.key_hash % $2 AND l.owner = $3 AND l.epoch = ($4::bigint[])[l.shard + 1]`

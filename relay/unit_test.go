@@ -181,3 +181,31 @@ func TestBlockList(t *testing.T) {
 		t.Fatalf("complete retry left %d entries", len(b.entries))
 	}
 }
+
+// serverChanged: a claim on a server started at another time, or whose snapshot's xmax is
+// below the cursor's reference snapshot (transaction ids went backwards), means the cursor
+// must restart; the first claim, the same server, and ids moving forward do not.
+func TestServerChanged(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	for _, tc := range []struct {
+		name    string
+		server  time.Time // the relay's, before the claim
+		ref     string    // the cursor's reference snapshot
+		c       claimed
+		changed bool
+	}{
+		{"first claim", time.Time{}, "", claimed{kind: claimNext, server: t0, snap: "5:9:"}, false},
+		{"same server", t0, "5:9:", claimed{kind: claimNext, server: t0, snap: "9:12:10"}, false},
+		{"restarted or failed over", t0, "5:9:", claimed{kind: claimNext, server: t0.Add(time.Second), snap: "20:20:"}, true},
+		{"xids went backwards", t0, "900:918:", claimed{kind: claimNext, server: t0, snap: "768:768:"}, true},
+		{"retry claims carry no snapshot", t0, "900:918:", claimed{kind: claimRetry, server: t0}, false},
+	} {
+		r := &Relay{server: tc.server, cur: cursor{pos: 10, ref: tc.ref}}
+		if got, why := r.serverChanged(&tc.c); got != tc.changed {
+			t.Errorf("%s: changed = %v (%s), want %v", tc.name, got, why, tc.changed)
+		}
+		if !r.server.Equal(tc.c.server) {
+			t.Errorf("%s: the relay's server is %v after the claim, want %v", tc.name, r.server, tc.c.server)
+		}
+	}
+}

@@ -70,35 +70,12 @@ func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error)
 		return nil, err
 	}
 	reapOrphans(logf)
-	dir, err := os.MkdirTemp("", dirPrefix)
+	p, err := newClusterDir()
 	if err != nil {
-		return nil, fmt.Errorf("embedded postgres: create temp dir: %w", err)
-	}
-	// The owner's pid lets a later start remove this cluster if the owner dies without Stop
-	// (SIGKILL, a test timeout): PostgreSQL does not exit with its parent.
-	if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
-		os.RemoveAll(dir)
-		return nil, fmt.Errorf("embedded postgres: write owner file: %w", err)
-	}
-	p := &Postgres{dir: dir}
-	if os.Geteuid() == 0 {
-		cred, err := postgresCredential()
-		if err != nil {
-			os.RemoveAll(dir)
-			return nil, err
-		}
-		p.cred = cred
-		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
-			os.RemoveAll(dir)
-			return nil, fmt.Errorf("embedded postgres: chown %s: %w", dir, err)
-		}
-	}
-	port, err := FreePort()
-	if err != nil {
-		os.RemoveAll(dir)
 		return nil, err
 	}
-	p.port = port
+	dir := p.dir
+	port := p.port
 	data := filepath.Join(dir, "data")
 	start := time.Now()
 	if out, err := p.run(ctx, initdb, "-D", data, "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8", "--locale=C"); err != nil {
@@ -125,28 +102,10 @@ func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error)
 		os.RemoveAll(dir)
 		return nil, fmt.Errorf("embedded postgres: write config: %w", err)
 	}
-	// The port was free when chosen, seconds ago (initdb ran since): another process (a test
-	// binary's Kafka, another cluster) may have taken it. Then start again on a new port; the
-	// last "port" line of the config wins.
-	for try := 1; ; try++ {
-		out, err := p.run(ctx, pgctl, "-D", data, "-l", filepath.Join(dir, "server.log"), "-w", "-t", "60", "start")
-		if err == nil {
-			break
-		}
-		log, _ := os.ReadFile(filepath.Join(dir, "server.log"))
-		if try < 5 && strings.Contains(string(log), "Address already in use") {
-			if port, err = FreePort(); err == nil {
-				err = appendConf(data, "port = "+strconv.Itoa(port))
-			}
-			if err == nil {
-				p.port = port
-				continue
-			}
-		}
+	if err := p.startServer(ctx, pgctl); err != nil {
 		os.RemoveAll(dir)
-		return nil, fmt.Errorf("embedded postgres: pg_ctl start: %w\n%s\n%s", err, out, log)
+		return nil, err
 	}
-	p.url = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", port)
 	// pg_ctl -w returns when the server accepts connections; check once so a broken start is
 	// reported here rather than as a confusing failure in the first test.
 	conn, err := pgx.Connect(ctx, p.url)
@@ -154,8 +113,69 @@ func StartPostgres(ctx context.Context, opts PostgresOptions) (*Postgres, error)
 		return nil, errors.Join(fmt.Errorf("embedded postgres: connect after start: %w", err), p.Stop())
 	}
 	conn.Close(ctx)
-	logf("embedded postgres on port %d started in %s (%s)", port, time.Since(start).Round(time.Millisecond), dir)
+	logf("embedded postgres on port %d started in %s (%s)", p.port, time.Since(start).Round(time.Millisecond), dir)
 	return p, nil
+}
+
+// newClusterDir creates the temporary folder of a new cluster (owned by the "postgres" user
+// when running as root), with the owner file reapOrphans reads, and picks a free port.
+func newClusterDir() (*Postgres, error) {
+	dir, err := os.MkdirTemp("", dirPrefix)
+	if err != nil {
+		return nil, fmt.Errorf("embedded postgres: create temp dir: %w", err)
+	}
+	// The owner's pid lets a later start remove this cluster if the owner dies without Stop
+	// (SIGKILL, a test timeout): PostgreSQL does not exit with its parent.
+	if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(strconv.Itoa(os.Getpid())), 0o644); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("embedded postgres: write owner file: %w", err)
+	}
+	p := &Postgres{dir: dir}
+	if os.Geteuid() == 0 {
+		cred, err := postgresCredential()
+		if err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+		p.cred = cred
+		if err := os.Chown(dir, int(cred.Uid), int(cred.Gid)); err != nil {
+			os.RemoveAll(dir)
+			return nil, fmt.Errorf("embedded postgres: chown %s: %w", dir, err)
+		}
+	}
+	if p.port, err = FreePort(); err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	return p, nil
+}
+
+// startServer starts the cluster in p.dir/data (its config already names p.port) and sets
+// p.url. The port was free when chosen, seconds ago (initdb or pg_basebackup ran since):
+// another process (a test binary's Kafka, another cluster) may have taken it. Then it starts
+// again on a new port; the last "port" line of the config wins.
+func (p *Postgres) startServer(ctx context.Context, pgctl string) error {
+	data := filepath.Join(p.dir, "data")
+	for try := 1; ; try++ {
+		out, err := p.run(ctx, pgctl, "-D", data, "-l", filepath.Join(p.dir, "server.log"), "-w", "-t", "60", "start")
+		if err == nil {
+			break
+		}
+		log, _ := os.ReadFile(filepath.Join(p.dir, "server.log"))
+		if try < 5 && strings.Contains(string(log), "Address already in use") {
+			port, err := FreePort()
+			if err == nil {
+				err = appendConf(data, "port = "+strconv.Itoa(port))
+			}
+			if err == nil {
+				p.port = port
+				continue
+			}
+		}
+		return fmt.Errorf("embedded postgres: pg_ctl start: %w\n%s\n%s", err, out, log)
+	}
+	p.url = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", p.port)
+	return nil
 }
 
 // Stop shuts the cluster down immediately and removes its folder.
@@ -165,7 +185,9 @@ func (p *Postgres) Stop() error {
 	}
 	pgctl, err := findPGBinary("pg_ctl")
 	var stopErr error
-	if err == nil {
+	// A halted server (Halt, or a primary killed in a failover test) has nothing to stop.
+	_, statErr := os.Stat(filepath.Join(p.dir, "data", "postmaster.pid"))
+	if err == nil && statErr == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		if out, err := p.run(ctx, pgctl, "-D", filepath.Join(p.dir, "data"), "-m", "immediate", "-w", "stop"); err != nil {
