@@ -227,7 +227,9 @@ func (c *Console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	path := r.URL.Path
 	if c.cfg.Prefix != "" {
 		if path != c.cfg.Prefix && !strings.HasPrefix(path, c.cfg.Prefix+"/") {
-			c.fail(w, r, http.StatusNotFound, "There is no page at this address.")
+			// Not the console's page: a plain 404, without the rendered page's CSRF cookie,
+			// which would replace the operator's token (a browser's own /favicon.ico).
+			http.Error(w, "404 page not found (the console is under "+c.cfg.Prefix+"/)", http.StatusNotFound)
 			return
 		}
 		path = strings.TrimPrefix(path, c.cfg.Prefix)

@@ -119,3 +119,21 @@ func (a basicAuth) RoundTrip(r *http.Request) (*http.Response, error) {
 	r.SetBasicAuth(a.user, a.pw)
 	return http.DefaultTransport.RoundTrip(r)
 }
+
+// A request outside the console's prefix (a browser's own /favicon.ico, with the console
+// mounted at the root of a service) gets a 404 that sets no CSRF cookie: a new cookie on the
+// prefix's path would replace the operator's token, and the confirmation open in another tab
+// would be refused.
+func TestOutsideThePrefixKeepsTheToken(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t)
+	srv, _ := newServer(t, db, true)
+	resp, err := http.Get(srv.URL + "/favicon.ico")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = resp.Body.Close()
+	if resp.StatusCode != http.StatusNotFound || len(resp.Cookies()) != 0 {
+		t.Fatalf("GET /favicon.ico outside /ops: %d, cookies %v", resp.StatusCode, resp.Cookies())
+	}
+}
