@@ -397,6 +397,9 @@ func (f ParkedFilter) describe() string {
 }
 
 func (a *Admin) wrap(what string, err error) error {
+	if pgsql.IsUndefinedTable(err) {
+		return fmt.Errorf("relay: %s: schema %q is not migrated; run `onceflow migrate up --schema %s`: %w", what, a.schema, a.schema, err)
+	}
 	return fmt.Errorf("relay: %s in schema %q: %w", what, a.schema, err)
 }
 

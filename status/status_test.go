@@ -85,7 +85,7 @@ func TestRead(t *testing.T) {
 	if _, err := status.Read(ctx, db.Pool, "bad-schema;", th); err == nil {
 		t.Error("a bad schema name was accepted")
 	}
-	if _, err := status.Read(ctx, db.Pool, "never_migrated", th); err == nil || !strings.Contains(err.Error(), "migrate") {
+	if _, err := status.Read(ctx, db.Pool, "nothing_here", th); err == nil || !strings.Contains(err.Error(), "onceflow migrate up --schema nothing_here") {
 		t.Errorf("an unmigrated schema: %v", err)
 	}
 }
