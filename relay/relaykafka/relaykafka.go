@@ -97,7 +97,10 @@ type Config struct {
 	// Opts are extra franz-go client options appended last, e.g. a SASL mechanism the fields
 	// above do not offer (kgo.SASL with OAUTHBEARER or AWS_MSK_IAM) or kgo.Dialer. Options
 	// that change producing semantics (idempotence, acks, manual flushing) must not be
-	// overridden: the order guarantee depends on them.
+	// overridden: the order guarantee depends on them. NewSink refuses Opts that set acks
+	// other than all (kgo.RequiredAcks), disable idempotence (kgo.DisableIdempotentWrite) or
+	// allow more than MaxInFlightPerBroker requests in flight per broker
+	// (kgo.MaxProduceRequestsInflightPerBroker), naming the option.
 	Opts []kgo.Opt
 }
 
@@ -146,6 +149,8 @@ func NewSink(cfg Config) (*Sink, error) {
 	if cfg.DeliveryTimeout < time.Second {
 		problems = append(problems, fmt.Errorf("DeliveryTimeout is %s; use at least 1s (0 means the default %s)", cfg.DeliveryTimeout, DefaultDeliveryTimeout))
 	}
+	// acks=all, idempotence, at most 5 requests in flight: required on a real cluster.
+	problems = append(problems, producerProblems(cfg.Opts)...)
 	if len(problems) > 0 {
 		return nil, &relay.ConfigError{Scope: "relaykafka", Problems: problems}
 	}

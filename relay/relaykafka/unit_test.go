@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -69,5 +70,61 @@ func TestClassifyTopicRefusal(t *testing.T) {
 	var te *relay.TopicError
 	if errors.As(classify(kerr.MessageTooLarge, "orders"), &te) {
 		t.Error("a per-message refusal classified as a topic refusal")
+	}
+}
+
+// NewSink refuses Opts that would break the guarantees on a real cluster, naming the option
+// and the fix, and accepts those that do not touch producing semantics.
+func TestRequiredProducerSettings(t *testing.T) {
+	cases := []struct {
+		name string
+		opts []kgo.Opt
+		want []string // substrings, one per expected problem; none: accepted
+	}{
+		{"no options", nil, nil},
+		{"unrelated options", []kgo.Opt{kgo.DialTimeout(time.Second), kgo.MetadataMinAge(time.Second)}, nil},
+		{"acks=all spelled out", []kgo.Opt{kgo.RequiredAcks(kgo.AllISRAcks())}, nil},
+		{"acks=1", []kgo.Opt{kgo.RequiredAcks(kgo.LeaderAck())}, []string{"kgo.RequiredAcks(kgo.LeaderAck(), acks=1)"}},
+		{"acks=0", []kgo.Opt{kgo.RequiredAcks(kgo.NoAck())}, []string{"kgo.RequiredAcks(kgo.NoAck(), acks=0)"}},
+		{"idempotence disabled", []kgo.Opt{kgo.DisableIdempotentWrite()}, []string{"kgo.DisableIdempotentWrite()"}},
+		{"idempotence disabled, acks=1", []kgo.Opt{kgo.DisableIdempotentWrite(), kgo.RequiredAcks(kgo.LeaderAck())},
+			[]string{"kgo.DisableIdempotentWrite()", "acks=1"}},
+		{"idempotence disabled, 5 in flight", []kgo.Opt{kgo.DisableIdempotentWrite(), kgo.MaxProduceRequestsInflightPerBroker(5)},
+			[]string{"kgo.DisableIdempotentWrite()"}},
+		{"idempotence disabled, 6 in flight", []kgo.Opt{kgo.DisableIdempotentWrite(), kgo.MaxProduceRequestsInflightPerBroker(6)},
+			[]string{"kgo.DisableIdempotentWrite()", "kgo.MaxProduceRequestsInflightPerBroker(6)"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			sink, err := NewSink(Config{Brokers: []string{"127.0.0.1:9"}, Opts: c.opts})
+			if len(c.want) == 0 {
+				if err != nil {
+					t.Fatalf("refused: %v", err)
+				}
+				_ = sink.Close()
+				return
+			}
+			var ce *relay.ConfigError
+			if !errors.As(err, &ce) {
+				if sink != nil {
+					_ = sink.Close()
+				}
+				t.Fatalf("got %v, want a *relay.ConfigError", err)
+			}
+			if len(ce.Problems) != len(c.want) {
+				t.Fatalf("%d problems, want %d: %v", len(ce.Problems), len(c.want), err)
+			}
+			for i, w := range c.want {
+				if msg := ce.Problems[i].Error(); !strings.Contains(msg, w) || !strings.Contains(msg, "remove the option") {
+					t.Errorf("problem %d = %q, want it to name %q and say to remove the option", i, msg, w)
+				}
+			}
+		})
+	}
+	// Every problem at once, with the others.
+	_, err := NewSink(Config{Opts: []kgo.Opt{kgo.RequiredAcks(kgo.LeaderAck())}})
+	var ce *relay.ConfigError
+	if !errors.As(err, &ce) || len(ce.Problems) != 2 {
+		t.Fatalf("got %v, want two problems (no brokers, acks)", err)
 	}
 }
