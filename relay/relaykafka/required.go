@@ -4,7 +4,10 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/IBM/sarama"
 	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/onceflow/onceflow/relay"
 )
 
 // MaxInFlightPerBroker is the most produce requests the sink's producer may have in flight to
@@ -66,4 +69,32 @@ func acksName(a kgo.Acks) string {
 		return "kgo.LeaderAck(), acks=1"
 	}
 	return "acks other than all"
+}
+
+// CheckSaramaProducer reports, as a *relay.ConfigError naming each setting and its fix, the
+// settings of a sarama producer config under which NewPublisherSink over a watermill-kafka
+// publisher would break the relay's guarantees on a real cluster: Producer.RequiredAcks other
+// than sarama.WaitForAll, Producer.Idempotent off, Net.MaxOpenRequests above
+// MaxInFlightPerBroker. NewPublisherSink takes a built publisher, whose sarama config cannot
+// be read back: call this on the config given to watermill-kafka (PublisherConfig's
+// OverwriteSaramaConfig) before building the publisher. Nil means sarama's defaults, which
+// fail it (acks from the leader only, no idempotence).
+func CheckSaramaProducer(cfg *sarama.Config) error {
+	if cfg == nil {
+		cfg = sarama.NewConfig()
+	}
+	var problems []error
+	if cfg.Producer.RequiredAcks != sarama.WaitForAll {
+		problems = append(problems, fmt.Errorf("sarama Producer.RequiredAcks is %d: set it to sarama.WaitForAll (acks=all), or a row deleted from the outbox after the leader's acknowledgement is lost when that leader fails before a follower copied it", cfg.Producer.RequiredAcks))
+	}
+	if !cfg.Producer.Idempotent {
+		problems = append(problems, errors.New("sarama Producer.Idempotent is false: set it to true (with Net.MaxOpenRequests = 1, as sarama requires), or a retried produce request writes its batch twice or after a later batch of the same key"))
+	}
+	if cfg.Net.MaxOpenRequests > MaxInFlightPerBroker {
+		problems = append(problems, fmt.Errorf("sarama Net.MaxOpenRequests is %d: set it to 1 (an idempotent sarama producer requires it; more than %d in flight break the brokers' ordering of a producer's batches)", cfg.Net.MaxOpenRequests, MaxInFlightPerBroker))
+	}
+	if len(problems) > 0 {
+		return &relay.ConfigError{Scope: "relaykafka (sarama producer)", Problems: problems}
+	}
+	return nil
 }

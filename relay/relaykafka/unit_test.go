@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -126,5 +127,50 @@ func TestRequiredProducerSettings(t *testing.T) {
 	var ce *relay.ConfigError
 	if !errors.As(err, &ce) || len(ce.Problems) != 2 {
 		t.Fatalf("got %v, want two problems (no brokers, acks)", err)
+	}
+}
+
+func TestCheckSaramaProducer(t *testing.T) {
+	good := func() *sarama.Config {
+		c := sarama.NewConfig()
+		c.Producer.RequiredAcks = sarama.WaitForAll
+		c.Producer.Idempotent = true
+		c.Net.MaxOpenRequests = 1
+		return c
+	}
+	cases := []struct {
+		name   string
+		change func(*sarama.Config)
+		want   []string
+	}{
+		{"required settings", func(*sarama.Config) {}, nil},
+		{"acks=1", func(c *sarama.Config) { c.Producer.RequiredAcks = sarama.WaitForLocal }, []string{"RequiredAcks is 1"}},
+		{"not idempotent", func(c *sarama.Config) { c.Producer.Idempotent = false }, []string{"Idempotent is false"}},
+		{"6 in flight", func(c *sarama.Config) { c.Producer.Idempotent = false; c.Net.MaxOpenRequests = 6 },
+			[]string{"Idempotent is false", "MaxOpenRequests is 6"}},
+	}
+	for _, c := range cases {
+		cfg := good()
+		c.change(cfg)
+		err := CheckSaramaProducer(cfg)
+		var ce *relay.ConfigError
+		if len(c.want) == 0 {
+			if err != nil {
+				t.Errorf("%s: %v", c.name, err)
+			}
+			continue
+		}
+		if !errors.As(err, &ce) || len(ce.Problems) != len(c.want) {
+			t.Errorf("%s: got %v, want %d problems", c.name, err, len(c.want))
+			continue
+		}
+		for i, w := range c.want {
+			if !strings.Contains(ce.Problems[i].Error(), w) {
+				t.Errorf("%s: problem %q lacks %q", c.name, ce.Problems[i], w)
+			}
+		}
+	}
+	if err := CheckSaramaProducer(nil); err == nil {
+		t.Error("sarama's defaults (acks from the leader, no idempotence) passed")
 	}
 }
