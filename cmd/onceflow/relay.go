@@ -177,6 +177,7 @@ func (c *cli) runRelay(ctx context.Context, args []string) error {
 		cfg.Metrics = metrics
 	}
 	kcfg.MaxMessageBytes, kcfg.Compression = *maxMessageBytes, *compression
+	kcfg.Logger = logger // the topics' durability warnings (replication factor, min.insync.replicas)
 	// Validate both configurations now, without connecting, so every mistake is reported at once.
 	problems = appendProblems(problems, cfg.Validate())
 	sink, err := relaykafka.NewSink(kcfg)

@@ -14,7 +14,9 @@ import (
 // underneath): one Publish call per message, in order, with SaramaUndeliverable deciding which
 // failures count toward parking. Sink (NewSink) is the faster path and keeps order under
 // broker errors by construction; use this when production must go through a watermill-kafka
-// publisher (its sarama config, marshaler or middleware).
+// publisher (its sarama config, marshaler or middleware). The publisher's sarama config cannot
+// be read back from it: check it with CheckSaramaProducer before building the publisher
+// (acks=all, idempotence, at most one request in flight).
 func NewPublisherSink(pub message.Publisher) relay.Sink {
 	return relay.NewPublisherSink(pub, relay.PublisherSinkConfig{IsUndeliverable: SaramaUndeliverable})
 }

@@ -18,7 +18,9 @@ package relaykafka
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"time"
 
@@ -94,10 +96,17 @@ type Config struct {
 	// topics. Default false: the broker's auto.create.topics.enable decides, as with the Java
 	// producer and sarama.
 	DisableAutoTopicCreation bool
+	// Logger receives the warnings of the durability check the sink runs once per topic,
+	// after its first acknowledged write (see CheckDurability): a replication factor below 3,
+	// min.insync.replicas below 2, unclean leader election. Default slog.Default().
+	Logger *slog.Logger
 	// Opts are extra franz-go client options appended last, e.g. a SASL mechanism the fields
 	// above do not offer (kgo.SASL with OAUTHBEARER or AWS_MSK_IAM) or kgo.Dialer. Options
 	// that change producing semantics (idempotence, acks, manual flushing) must not be
-	// overridden: the order guarantee depends on them.
+	// overridden: the order guarantee depends on them. NewSink refuses Opts that set acks
+	// other than all (kgo.RequiredAcks), disable idempotence (kgo.DisableIdempotentWrite) or
+	// allow more than MaxInFlightPerBroker requests in flight per broker
+	// (kgo.MaxProduceRequestsInflightPerBroker), naming the option.
 	Opts []kgo.Opt
 }
 
@@ -122,6 +131,16 @@ type Sink struct {
 	cl       *kgo.Client
 	maxBytes int
 	conn     Config // how the client connects, without the password: for Ping's errors
+	logger   *slog.Logger
+	// adminOpts reach the cluster without asking it to create topics: for CheckDurability,
+	// which must not create a topic by looking at it.
+	adminOpts []kgo.Opt
+
+	// Durability checks of the topics written (checkNewTopics).
+	checked  sync.Map // topic → true once a check started
+	bg       sync.WaitGroup
+	bgCtx    context.Context //nolint:containedctx // cancelled by Close, for the background checks
+	bgCancel context.CancelFunc
 }
 
 var _ relay.Sink = (*Sink)(nil)
@@ -136,6 +155,7 @@ func NewSink(cfg Config) (*Sink, error) {
 		cfg.DeliveryTimeout = DefaultDeliveryTimeout
 	}
 	opts, problems := cfg.connection() // brokers, client id, TLS, SASL
+	adminOpts := append(slices.Clone(opts), cfg.Opts...)
 	codecs, err := compressionCodec(cfg.Compression)
 	if err != nil {
 		problems = append(problems, err)
@@ -146,6 +166,8 @@ func NewSink(cfg Config) (*Sink, error) {
 	if cfg.DeliveryTimeout < time.Second {
 		problems = append(problems, fmt.Errorf("DeliveryTimeout is %s; use at least 1s (0 means the default %s)", cfg.DeliveryTimeout, DefaultDeliveryTimeout))
 	}
+	// acks=all, idempotence, at most 5 requests in flight: required on a real cluster.
+	problems = append(problems, producerProblems(cfg.Opts)...)
 	if len(problems) > 0 {
 		return nil, &relay.ConfigError{Scope: "relaykafka", Problems: problems}
 	}
@@ -177,7 +199,12 @@ func NewSink(cfg Config) (*Sink, error) {
 		return nil, fmt.Errorf("relaykafka: create Kafka client: %w", err)
 	}
 	cfg.SASL.Password = ""
-	return &Sink{cl: cl, maxBytes: cfg.MaxMessageBytes, conn: cfg}, nil
+	s := &Sink{cl: cl, maxBytes: cfg.MaxMessageBytes, conn: cfg, logger: cfg.Logger, adminOpts: adminOpts}
+	if s.logger == nil {
+		s.logger = slog.Default()
+	}
+	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
+	return s, nil
 }
 
 // Ping checks that at least one broker answers, TLS handshake and SASL authentication
@@ -191,6 +218,8 @@ func (s *Sink) Ping(ctx context.Context) error {
 
 // Close closes the client; records still buffered fail.
 func (s *Sink) Close() error {
+	s.bgCancel()
+	s.bg.Wait()
 	s.cl.Close()
 	return nil
 }
@@ -240,6 +269,21 @@ func (s *Sink) Publish(ctx context.Context, msgs []*relay.Message, errs []error)
 	)
 	for _, idx := range rounds {
 		s.publishRound(ctx, msgs, idx, errs, results, &mu, failed)
+	}
+	var acked map[string]bool // topics written for the first time: check their durability
+	for i, m := range msgs {
+		if errs[i] != nil || acked[m.Topic] {
+			continue
+		}
+		if _, done := s.checked.Load(m.Topic); !done {
+			if acked == nil {
+				acked = map[string]bool{}
+			}
+			acked[m.Topic] = true
+		}
+	}
+	if acked != nil {
+		s.checkNewTopics(acked)
 	}
 }
 

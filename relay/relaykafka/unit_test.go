@@ -4,7 +4,9 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -69,5 +71,106 @@ func TestClassifyTopicRefusal(t *testing.T) {
 	var te *relay.TopicError
 	if errors.As(classify(kerr.MessageTooLarge, "orders"), &te) {
 		t.Error("a per-message refusal classified as a topic refusal")
+	}
+}
+
+// NewSink refuses Opts that would break the guarantees on a real cluster, naming the option
+// and the fix, and accepts those that do not touch producing semantics.
+func TestRequiredProducerSettings(t *testing.T) {
+	cases := []struct {
+		name string
+		opts []kgo.Opt
+		want []string // substrings, one per expected problem; none: accepted
+	}{
+		{"no options", nil, nil},
+		{"unrelated options", []kgo.Opt{kgo.DialTimeout(time.Second), kgo.MetadataMinAge(time.Second)}, nil},
+		{"acks=all spelled out", []kgo.Opt{kgo.RequiredAcks(kgo.AllISRAcks())}, nil},
+		{"acks=1", []kgo.Opt{kgo.RequiredAcks(kgo.LeaderAck())}, []string{"kgo.RequiredAcks(kgo.LeaderAck(), acks=1)"}},
+		{"acks=0", []kgo.Opt{kgo.RequiredAcks(kgo.NoAck())}, []string{"kgo.RequiredAcks(kgo.NoAck(), acks=0)"}},
+		{"idempotence disabled", []kgo.Opt{kgo.DisableIdempotentWrite()}, []string{"kgo.DisableIdempotentWrite()"}},
+		{"idempotence disabled, acks=1", []kgo.Opt{kgo.DisableIdempotentWrite(), kgo.RequiredAcks(kgo.LeaderAck())},
+			[]string{"kgo.DisableIdempotentWrite()", "acks=1"}},
+		{"idempotence disabled, 5 in flight", []kgo.Opt{kgo.DisableIdempotentWrite(), kgo.MaxProduceRequestsInflightPerBroker(5)},
+			[]string{"kgo.DisableIdempotentWrite()"}},
+		{"idempotence disabled, 6 in flight", []kgo.Opt{kgo.DisableIdempotentWrite(), kgo.MaxProduceRequestsInflightPerBroker(6)},
+			[]string{"kgo.DisableIdempotentWrite()", "kgo.MaxProduceRequestsInflightPerBroker(6)"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			sink, err := NewSink(Config{Brokers: []string{"127.0.0.1:9"}, Opts: c.opts})
+			if len(c.want) == 0 {
+				if err != nil {
+					t.Fatalf("refused: %v", err)
+				}
+				_ = sink.Close()
+				return
+			}
+			var ce *relay.ConfigError
+			if !errors.As(err, &ce) {
+				if sink != nil {
+					_ = sink.Close()
+				}
+				t.Fatalf("got %v, want a *relay.ConfigError", err)
+			}
+			if len(ce.Problems) != len(c.want) {
+				t.Fatalf("%d problems, want %d: %v", len(ce.Problems), len(c.want), err)
+			}
+			for i, w := range c.want {
+				if msg := ce.Problems[i].Error(); !strings.Contains(msg, w) || !strings.Contains(msg, "remove the option") {
+					t.Errorf("problem %d = %q, want it to name %q and say to remove the option", i, msg, w)
+				}
+			}
+		})
+	}
+	// Every problem at once, with the others.
+	_, err := NewSink(Config{Opts: []kgo.Opt{kgo.RequiredAcks(kgo.LeaderAck())}})
+	var ce *relay.ConfigError
+	if !errors.As(err, &ce) || len(ce.Problems) != 2 {
+		t.Fatalf("got %v, want two problems (no brokers, acks)", err)
+	}
+}
+
+func TestCheckSaramaProducer(t *testing.T) {
+	good := func() *sarama.Config {
+		c := sarama.NewConfig()
+		c.Producer.RequiredAcks = sarama.WaitForAll
+		c.Producer.Idempotent = true
+		c.Net.MaxOpenRequests = 1
+		return c
+	}
+	cases := []struct {
+		name   string
+		change func(*sarama.Config)
+		want   []string
+	}{
+		{"required settings", func(*sarama.Config) {}, nil},
+		{"acks=1", func(c *sarama.Config) { c.Producer.RequiredAcks = sarama.WaitForLocal }, []string{"RequiredAcks is 1"}},
+		{"not idempotent", func(c *sarama.Config) { c.Producer.Idempotent = false }, []string{"Idempotent is false"}},
+		{"6 in flight", func(c *sarama.Config) { c.Producer.Idempotent = false; c.Net.MaxOpenRequests = 6 },
+			[]string{"Idempotent is false", "MaxOpenRequests is 6"}},
+	}
+	for _, c := range cases {
+		cfg := good()
+		c.change(cfg)
+		err := CheckSaramaProducer(cfg)
+		var ce *relay.ConfigError
+		if len(c.want) == 0 {
+			if err != nil {
+				t.Errorf("%s: %v", c.name, err)
+			}
+			continue
+		}
+		if !errors.As(err, &ce) || len(ce.Problems) != len(c.want) {
+			t.Errorf("%s: got %v, want %d problems", c.name, err, len(c.want))
+			continue
+		}
+		for i, w := range c.want {
+			if !strings.Contains(ce.Problems[i].Error(), w) {
+				t.Errorf("%s: problem %q lacks %q", c.name, ce.Problems[i], w)
+			}
+		}
+	}
+	if err := CheckSaramaProducer(nil); err == nil {
+		t.Error("sarama's defaults (acks from the leader, no idempotence) passed")
 	}
 }
