@@ -500,3 +500,64 @@ func TestInboxPoisonReplayStepBackfill(t *testing.T) {
 		t.Errorf("refusals after step 0013: %q", got)
 	}
 }
+
+// Step 0019 adds the saga's command record and the audit trail's transaction as catalog
+// changes only — neither table is rewritten (its file stays the same) however many rows it
+// holds, and existing rows read NULL — and is idempotent. New audit records get their
+// transaction's id.
+func TestSagaCommandStepIsCatalogOnly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := db.Pool.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// As before the step, with rows.
+	exec(`ALTER TABLE ` + db.Table("saga") + ` DROP COLUMN command_event, DROP COLUMN command_tx`)
+	exec(`ALTER TABLE ` + db.Table("operator_action") + ` DROP COLUMN tx`)
+	exec(`INSERT INTO ` + db.Table("saga") + ` (id, name, version, state, data, steps)
+		SELECT 's-' || g, 'checkout', 1, 'running', '{}', '[]' FROM generate_series(1, 10000) g`)
+	exec(`INSERT INTO ` + db.Table("operator_action") + ` (actor, action) VALUES ('ops', 'outbox replay')`)
+	files := func() (saga, audit string) {
+		t.Helper()
+		if err := db.Pool.QueryRow(ctx, `SELECT pg_relation_filenode($1::regclass)::text, pg_relation_filenode($2::regclass)::text`,
+			db.Table("saga"), db.Table("operator_action")).Scan(&saga, &audit); err != nil {
+			t.Fatal(err)
+		}
+		return saga, audit
+	}
+	sagaFile, auditFile := files()
+	var step migrations.Migration
+	for _, m := range migrations.All() {
+		if m.Version == 19 {
+			step = m
+		}
+	}
+	if step.Name != "saga_command_tx" {
+		t.Fatalf("step 0019 is %q", step.Name)
+	}
+	for range 2 { // idempotent
+		if err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, step.SQL(db.Schema))
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if s, a := files(); s != sagaFile || a != auditFile {
+		t.Fatalf("step 0019 rewrote a table: saga %s → %s, operator_action %s → %s", sagaFile, s, auditFile, a)
+	}
+	exec(`INSERT INTO ` + db.Table("operator_action") + ` (actor, action) VALUES ('ops', 'outbox replay')`)
+	var recorded, old, fresh int
+	if err := db.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+db.Table("saga")+` WHERE command_event IS NOT NULL OR command_tx IS NOT NULL),
+		(SELECT count(*) FROM `+db.Table("operator_action")+` WHERE tx IS NULL), (SELECT count(*) FROM `+db.Table("operator_action")+` WHERE tx IS NOT NULL)`).
+		Scan(&recorded, &old, &fresh); err != nil {
+		t.Fatal(err)
+	}
+	if recorded != 0 || old != 1 || fresh != 1 {
+		t.Fatalf("after step 0019: %d sagas with a record, audit records without and with a transaction %d and %d; want 0, 1, 1", recorded, old, fresh)
+	}
+}

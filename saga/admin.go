@@ -359,9 +359,12 @@ func (a *Admin) Alive(ctx context.Context, db DB, ids []string) ([]string, error
 var ErrNotFound = errors.New("saga: no saga with this id")
 
 // Get returns one saga with its history, its timers and what it waits for (Detail.Wait).
-// For a saga waiting for a reply it looks the current command up by event id in the outbox,
-// which has no index on it (a second b-tree would cost every business commit): at a large
-// backlog that is one scan of the outbox, as `onceflow outbox find` does.
+// For a saga waiting for a reply it looks the current command up in the outbox and
+// outbox_parked by index probes, at any backlog: the saga row records the transaction that
+// wrote the command, and the outbox has a b-tree on tx (see Wait). A saga whose last command
+// was written before migration 0019 is looked up by event id, which has no index (a second
+// b-tree would cost every business commit): behind a backlog older than the command that is
+// one scan of the outbox, as `onceflow outbox find` does.
 func (a *Admin) Get(ctx context.Context, db DB, id string) (*Detail, error) {
 	in, now, err := a.st.load(ctx, db, id, false)
 	if errors.Is(err, errNoSaga) {

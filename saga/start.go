@@ -123,7 +123,7 @@ func (s sqlStarter) insert(ctx context.Context, st store, in *instance) (bool, e
 		trace = map[string]string{}
 	}
 	n, err := s.q.Exec(ctx, st.insert, in.ID, in.Name, in.Version, string(in.State), in.Step, in.Attempt, in.Budget,
-		in.Waiting, in.Data, json.RawMessage(steps), trace)
+		in.Waiting, in.Data, json.RawMessage(steps), trace, in.wrote)
 	if err != nil {
 		return false, fmt.Errorf("saga: insert saga %q into %s.saga: %w", in.ID, st.schema, st.explain(err))
 	}

@@ -59,19 +59,22 @@ func TestStartSQLTxStoresWhatStartTxStores(t *testing.T) {
 	// Both starts wrote the same rows, apart from the id, event ids and times.
 	shape := func(id string) []any {
 		var state, waiting string
-		var step, attempt, timers, commands int
+		var step, attempt, timers, commands, recorded int
 		var data, steps, trace string
+		// recorded: the row says where its command is (the event id and the writing
+		// transaction: Admin.Get's bounded lookup), and the outbox agrees.
 		if err := w.db.Pool.QueryRow(ctx, `SELECT state, waiting, step, attempt, data::text, (SELECT string_agg(e->>'status', ',') FROM jsonb_array_elements(steps) e), trace::text,
 			(SELECT count(*) FROM `+w.db.Table("saga_timer")+` WHERE saga_id = $1),
-			(SELECT count(*) FROM `+w.db.Table("outbox")+` WHERE metadata->>'saga_id' = $1)
-			FROM `+w.db.Table("saga")+` WHERE id = $1`, id).Scan(&state, &waiting, &step, &attempt, &data, &steps, &trace, &timers, &commands); err != nil {
+			(SELECT count(*) FROM `+w.db.Table("outbox")+` WHERE metadata->>'saga_id' = $1),
+			(SELECT count(*) FROM `+w.db.Table("outbox")+` o WHERE o.tx = s.command_tx AND o.event_id = s.command_event AND o.metadata->>'saga_id' = $1)
+			FROM `+w.db.Table("saga")+` s WHERE id = $1`, id).Scan(&state, &waiting, &step, &attempt, &data, &steps, &trace, &timers, &commands, &recorded); err != nil {
 			t.Fatal(err)
 		}
-		return []any{state, waiting, step, attempt, len(data), steps, trace, timers, commands}
+		return []any{state, waiting, step, attempt, len(data), steps, trace, timers, commands, recorded}
 	}
 	got, want := shape("via-sql"), shape("via-pgx")
-	if !reflect.DeepEqual(got, want) || want[7] != 2 || want[8] != 1 {
-		t.Fatalf("StartSQLTx stored %v, StartTx %v (want 2 timers and 1 command)", got, want)
+	if !reflect.DeepEqual(got, want) || want[7] != 2 || want[8] != 1 || want[9] != 1 {
+		t.Fatalf("StartSQLTx stored %v, StartTx %v (want 2 timers and 1 command, recorded)", got, want)
 	}
 	if d := w.runUntil("via-sql", saga.StateCompleted); d.State != saga.StateCompleted {
 		t.Fatalf("state %s", d.State)

@@ -67,6 +67,11 @@ type instance struct {
 	UpdatedAt time.Time
 	// Trace is the W3C trace context StartTx's caller was in (see startTimer).
 	Trace map[string]string
+	// wrote is the event id of the last command this transaction's transitions wrote for the
+	// saga ("" when none): stored with the row, with the transaction's id, as where the
+	// command is in the outbox (store.update, wait.go). Not read back: a row is loaded in the
+	// transaction that changes it, so the field starts empty in each.
+	wrote string
 }
 
 // StepHistory is the history of one step of a saga, stored as JSON with it and shown by
@@ -687,6 +692,7 @@ func (m *machine) send(idx int, phase outbox.SagaPhase, attempt int) error {
 		rec.StartedAt = m.stamp()
 	}
 	rec.Sent = append(rec.Sent, SentCommand{Phase: phase, Attempt: attempt, Topic: topic, EventID: msg.UUID, At: m.now})
+	in.wrote = msg.UUID
 	if st.timeout > 0 {
 		m.fx.setStep = &timer{Kind: timerStep, Step: idx, Phase: phase, Attempt: attempt, Action: actTimeout, Due: m.now.Add(st.timeout)}
 	} else {

@@ -19,6 +19,7 @@ type store struct {
 	insert, lock, lockMany, update, setTimer  string
 	delTimer, stuck, tookEffect               string
 	delTimers, claimTimers, selectOne, insOpr string
+	findCommand                               string    // wait.go
 	park                                      parkedSQL // parked.go
 }
 
@@ -26,10 +27,16 @@ func newStore(schema string) store {
 	sagaT, timerT := pgsql.Table(schema, "saga"), pgsql.Table(schema, "saga_timer")
 	cols := `id, name, version, state, step, attempt, budget, waiting, data, steps, error, created_at, updated_at, trace`
 	return store{
-		schema: schema,
-		park:   newParkedSQL(schema),
-		insert: `INSERT INTO ` + sagaT + ` (id, name, version, state, step, attempt, budget, waiting, data, steps, trace)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT (id) DO NOTHING`,
+		schema:      schema,
+		park:        newParkedSQL(schema),
+		findCommand: findCommandSQL(schema),
+		// command_event and command_tx: the event id of the last command the saga wrote, and
+		// the transaction that wrote it, which is this one (the outbox row's tx is the same
+		// pg_current_xact_id()): the saga's page finds the command by outbox_tx_idx (wait.go).
+		// $12 is '' when this transaction wrote no command of the saga: the record stays.
+		insert: `INSERT INTO ` + sagaT + ` (id, name, version, state, step, attempt, budget, waiting, data, steps, trace, command_event, command_tx)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, NULLIF($12::text, '')::uuid, CASE WHEN $12::text <> '' THEN pg_current_xact_id() END)
+			ON CONFLICT (id) DO NOTHING`,
 		selectOne: `SELECT ` + cols + `, now() FROM ` + sagaT + ` WHERE id = $1`,
 		// now() comes along: transitions compute timer deadlines on the database clock, the
 		// one the timer claim compares them with.
@@ -48,7 +55,10 @@ func newStore(schema string) store {
 		tookEffect: `UPDATE ` + sagaT + ` SET steps = jsonb_set(steps, ARRAY[step::text, 'took_effect'], 'true')
 			WHERE id = $1 AND state IN ('running', 'compensating') AND steps -> step ->> 'name' = $2`,
 		update: `UPDATE ` + sagaT + ` SET state = $2, step = $3, attempt = $4, budget = $5, waiting = $6, data = $7, steps = $8,
-			error = $9, updated_at = now(), finished_at = CASE WHEN $2 IN ('completed', 'compensated') THEN now() END WHERE id = $1`,
+			error = $9, updated_at = now(), finished_at = CASE WHEN $2 IN ('completed', 'compensated') THEN now() END,
+			command_event = coalesce(NULLIF($10::text, '')::uuid, command_event),
+			command_tx = CASE WHEN $10::text <> '' THEN pg_current_xact_id() ELSE command_tx END
+			WHERE id = $1`,
 		setTimer: `INSERT INTO ` + timerT + ` (saga_id, kind, step, phase, attempt, action, due_at) VALUES ($1, $2, $3, $4, $5, $6, $7)
 			ON CONFLICT (saga_id, kind) DO UPDATE SET step = EXCLUDED.step, phase = EXCLUDED.phase, attempt = EXCLUDED.attempt,
 			action = EXCLUDED.action, due_at = EXCLUDED.due_at`,
@@ -85,7 +95,7 @@ func (st store) insertTx(ctx context.Context, tx pgx.Tx, in *instance) (bool, er
 	if trace == nil {
 		trace = map[string]string{}
 	}
-	tag, err := tx.Exec(ctx, st.insert, in.ID, in.Name, in.Version, in.State, in.Step, in.Attempt, in.Budget, in.Waiting, in.Data, steps, trace)
+	tag, err := tx.Exec(ctx, st.insert, in.ID, in.Name, in.Version, in.State, in.Step, in.Attempt, in.Budget, in.Waiting, in.Data, steps, trace, in.wrote)
 	if err != nil {
 		return false, fmt.Errorf("saga: insert saga %q into %s.saga: %w", in.ID, st.schema, st.explain(err))
 	}
@@ -148,7 +158,7 @@ func (st store) queueUpdate(b *pgx.Batch, in *instance) error {
 	if err != nil {
 		return err
 	}
-	b.Queue(st.update, in.ID, in.State, in.Step, in.Attempt, in.Budget, in.Waiting, in.Data, steps, in.Error)
+	b.Queue(st.update, in.ID, in.State, in.Step, in.Attempt, in.Budget, in.Waiting, in.Data, steps, in.Error, in.wrote)
 	return nil
 }
 

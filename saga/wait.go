@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/audit"
 	"github.com/onceflow/onceflow/internal/pgsql"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -87,7 +88,9 @@ type parkedInfo struct {
 }
 
 // wait derives what in waits for from its row, timers and parked replies, then looks the
-// current command up in the outbox and outbox_parked when the saga waits for its reply.
+// current command up in the outbox and outbox_parked when the saga waits for its reply: by
+// index probes (findCommand), or for a saga row without a record of where its command was
+// written, by event id (scanForCommand).
 func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer, parked parkedInfo) (*Wait, error) {
 	if in.State.Finished() || in.Step < 0 || in.Step >= len(in.Steps) {
 		return nil, nil
@@ -131,11 +134,73 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer, p
 	if w.EventID == "" {
 		return w, nil
 	}
-	// The outbox has no index on event_id (a second b-tree would cost every business commit):
-	// the lookup scans the pending rows. It is skipped when the oldest pending row (one probe of
-	// the primary key) was written well after the command (commandMargin): the relay has
-	// published everything from then on, the command included. Only a saga whose command is
-	// older than the relay's backlog pays the scan.
+	where, found, err := a.findCommand(ctx, db, in.ID, w)
+	if err == nil && !found {
+		where, err = a.scanForCommand(ctx, db, w)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("saga: look up the command %s of saga %q in the outbox: %w", w.EventID, in.ID, a.st.explain(err))
+	}
+	switch where {
+	case "pending":
+		w.For = WaitRelay
+	case "parked":
+		w.For = WaitParked
+	}
+	return w, nil
+}
+
+// findCommand looks the saga's current command up where the saga row says it was written:
+// the row records the event id of the last command the saga wrote and the transaction that
+// wrote it (command_event, command_tx: store.update, migration 0019), and the outbox has a
+// b-tree on tx (the relay's late-commit index, 0012), so the probe reads only that
+// transaction's outbox rows — one, or a batch's commands — however large and old the relay's
+// backlog is. A command the relay parked is found by outbox_parked's index on event_id; one an
+// operator replayed from there is back in the outbox under a new id and the replay's
+// transaction, which the replay's audit record names (operator_action.tx, found by the
+// targets index). where is "pending", "parked" or "" (published). found is false when the
+// row has no such record of this command (written before migration 0019, or by an older
+// release that leaves the record as it was): scanForCommand looks then.
+func (a *Admin) findCommand(ctx context.Context, db DB, id string, w *Wait) (where string, found bool, err error) {
+	var pending, parked *int
+	var pendingErr, parkedErr *string
+	err = db.QueryRow(ctx, a.st.findCommand, id, w.EventID, audit.OutboxReplay).Scan(&pending, &pendingErr, &parked, &parkedErr)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return "", false, nil
+	case err != nil:
+		return "", false, err
+	case pending != nil:
+		w.PublishAttempts, w.PublishError = *pending, *pendingErr
+		return "pending", true, nil
+	case parked != nil:
+		w.PublishAttempts, w.PublishError = *parked, *parkedErr
+		return "parked", true, nil
+	}
+	return "", true, nil
+}
+
+// findCommandSQL is findCommand's statement: $1 the saga id, $2 the command's event id, $3
+// audit.OutboxReplay. No row when the saga row does not record that command.
+func findCommandSQL(schema string) string {
+	return `SELECT o.attempts, o.last_error, p.attempts, p.last_error FROM ` + pgsql.Table(schema, "saga") + ` s
+		LEFT JOIN LATERAL (SELECT attempts, coalesce(last_error, '') AS last_error FROM ` + pgsql.Table(schema, "outbox") + `
+			WHERE event_id = s.command_event AND tx = ANY (array_prepend(s.command_tx, ARRAY(
+				SELECT r.tx FROM ` + pgsql.Table(schema, "operator_action") + ` r
+				WHERE r.targets @> ARRAY[s.command_event::text] AND r.action = $3 AND r.tx IS NOT NULL)))
+			LIMIT 1) o ON true
+		LEFT JOIN LATERAL (SELECT attempts, last_error FROM ` + pgsql.Table(schema, "outbox_parked") + `
+			WHERE event_id = s.command_event LIMIT 1) p ON true
+		WHERE s.id = $1 AND s.command_event = $2::uuid AND s.command_tx IS NOT NULL`
+}
+
+// scanForCommand looks a command up by event id alone, for a saga row that does not record
+// where its command was written (findCommand). The outbox has no index on event_id (a second
+// b-tree would cost every business commit): the lookup scans the pending rows. It is skipped
+// when the oldest pending row (one probe of the primary key) was written well after the
+// command (commandMargin): the relay has published everything from then on, the command
+// included. Only such a saga whose command is older than the relay's backlog pays the scan.
+func (a *Admin) scanForCommand(ctx context.Context, db DB, w *Wait) (string, error) {
 	outboxT, parkedT := pgsql.Table(a.st.schema, "outbox"), pgsql.Table(a.st.schema, "outbox_parked")
 	published := false // known without a scan of the outbox
 	if !w.Since.IsZero() {
@@ -143,7 +208,7 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer, p
 		// parallel, and its workers started for nothing (tens of ms on a busy server).
 		if err := db.QueryRow(ctx, `SELECT coalesce((SELECT created_at FROM `+outboxT+` ORDER BY id LIMIT 1) > $1::timestamptz + $2::interval, true)`,
 			w.Since, commandMargin).Scan(&published); err != nil {
-			return nil, fmt.Errorf("saga: look up the command %s of saga %q in the outbox: %w", w.EventID, in.ID, a.st.explain(err))
+			return "", err
 		}
 	}
 	pending := `SELECT 'pending', attempts, coalesce(last_error, '') FROM ` + outboxT + ` WHERE event_id = $1::uuid UNION ALL `
@@ -153,16 +218,10 @@ func (a *Admin) wait(ctx context.Context, db DB, in *instance, timers []Timer, p
 	var where string
 	err := db.QueryRow(ctx, pending+`SELECT 'parked', attempts, last_error FROM `+parkedT+` WHERE event_id = $1::uuid LIMIT 1`,
 		w.EventID).Scan(&where, &w.PublishAttempts, &w.PublishError)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows): // published
-	case err != nil:
-		return nil, fmt.Errorf("saga: look up the command %s of saga %q in the outbox: %w", w.EventID, in.ID, a.st.explain(err))
-	case where == "pending":
-		w.For = WaitRelay
-	default:
-		w.For = WaitParked
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", nil // published
 	}
-	return w, nil
+	return where, err
 }
 
 // commandMargin is how much later than a command the oldest pending outbox row must have been
