@@ -17,8 +17,8 @@ import (
 // (20k stuck, 10k running, the rest finished over 11 days), 1M pending outbox rows and 100k
 // poison rows (90k of them replayed history), the overview, the saga list filtered by state
 // (first page, and a page 10,000 rows deep by keyset) and by a step no saga is at (no index
-// answers it), a saga's page, the page of a saga waiting for the reply to a command already
-// published (looked up in the outbox), and the audit trail, each the median of 20 renders,
+// answers it), a saga's page, the page of a saga whose command still waits behind the 1M older
+// outbox rows (found through the transaction the saga row records), and the audit trail, each the median of 20 renders,
 // beside `onceflow status`'s own read (status.Read) in the same run. Target: ≤ 50 ms
 // each.
 func benchConsole(ctx context.Context, e *env) ([]result, error) {
@@ -43,7 +43,12 @@ func benchConsole(ctx context.Context, e *env) ([]result, error) {
 			SELECT 'consumer-' || (g % 5), 'k-' || g, gen_random_uuid()::text, 'orders/0@' || g, '{"n":1}', 5, 'boom',
 				CASE WHEN g % 10 = 0 THEN 'poison' ELSE 'replayed' END, CASE WHEN g % 10 <> 0 THEN now() END
 			FROM generate_series(1, 100000) g`,
-		`UPDATE saga SET waiting = 'reply', steps = '[{"name":"reserve","status":"done","attempts":1},{"name":"charge","status":"running","attempts":1,"sent":[{"phase":"action","attempt":1,"topic":"charge","event_id":"01939d3c-0000-7000-8000-000000000002","at":"2026-01-01T00:00:00Z"}]}]'
+		// The waiting saga's command still pending behind the 1M older rows, recorded as the
+		// orchestrator records it (migration 0019: the command's event id and transaction).
+		`WITH cmd AS (INSERT INTO outbox (event_id, topic, partition_key, key_hash, payload)
+				VALUES ('01939d3c-0000-7000-8000-000000000002', 'charge', 'saga-0500001', 1, '{}') RETURNING tx)
+			UPDATE saga SET waiting = 'reply', command_event = '01939d3c-0000-7000-8000-000000000002', command_tx = (SELECT tx FROM cmd),
+				steps = '[{"name":"reserve","status":"done","attempts":1},{"name":"charge","status":"running","attempts":1,"sent":[{"phase":"action","attempt":1,"topic":"charge","event_id":"01939d3c-0000-7000-8000-000000000002","at":"2026-01-01T00:00:00Z"}]}]'
 			WHERE id = 'saga-0500001'`,
 		`INSERT INTO operator_action (actor, action, targets, outcome)
 			SELECT 'ops', 'saga retry', ARRAY['saga-' || lpad((g * 50)::text, 7, '0')], 'requested' FROM generate_series(1, 1000) g`,
