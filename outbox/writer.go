@@ -113,6 +113,8 @@ type Writer struct {
 	cfg Config
 	// plain and wake hold the statements without and with the wake-up check.
 	plain, wake statements
+	// scheduled writes a call with scheduled messages (schedule.go).
+	scheduled string
 	// awakeAt is when a write last found every relay awake (UnixNano; 0 = check on the next
 	// write): until WakeCheckInterval after it, writes skip the check.
 	awakeAt atomic.Int64
@@ -157,6 +159,7 @@ func NewWriter(cfg Config) (*Writer, error) {
 		return `WITH ins AS (` + insert + ` RETURNING 1) SELECT (SELECT count(*) FROM ins), ` + pgsql.Ident(cfg.Schema) + `.outbox_wake($7)`
 	}
 	w.wake = statements{one: wake(w.plain.one), many: wake(w.plain.many), routed: wake(w.plain.routed)}
+	w.scheduled = scheduledInsert(cfg.Schema)
 	return w, nil
 }
 
@@ -189,7 +192,7 @@ func (w *Writer) write(ctx context.Context, q sqltx.Querier, topic string, msgs 
 	if err != nil {
 		return err
 	}
-	if !ins.check {
+	if !ins.row {
 		n, err := q.Exec(ctx, ins.sql, ins.args...)
 		if err != nil {
 			return w.insertError(len(msgs), err)
@@ -201,7 +204,9 @@ func (w *Writer) write(ctx context.Context, q sqltx.Querier, topic string, msgs 
 	if err := q.QueryRow(ctx, ins.sql, ins.args...).Scan(&n, &asleep); err != nil {
 		return w.insertError(len(msgs), err)
 	}
-	w.sawRelays(asleep)
+	if ins.check {
+		w.sawRelays(asleep)
+	}
 	return ins.inserted(n)
 }
 
@@ -214,7 +219,7 @@ func (w *Writer) QueueWriteTx(ctx context.Context, b *pgx.Batch, topic string, m
 	if err != nil {
 		return err
 	}
-	if !ins.check {
+	if !ins.row {
 		b.Queue(ins.sql, ins.args...).Exec(func(tag pgconn.CommandTag) error { return ins.inserted(tag.RowsAffected()) })
 		return nil
 	}
@@ -224,18 +229,22 @@ func (w *Writer) QueueWriteTx(ctx context.Context, b *pgx.Batch, topic string, m
 		if err := row.Scan(&n, &asleep); err != nil {
 			return w.insertError(len(msgs), err)
 		}
-		w.sawRelays(asleep)
+		if ins.check {
+			w.sawRelays(asleep)
+		}
 		return ins.inserted(n)
 	})
 	return nil
 }
 
-// insertStmt is one write's statement: check says whether it also asks outbox_wake (and
-// returns the row count and whether a relay sleeps).
+// insertStmt is one write's statement: check says whether it also asks outbox_wake; row, whether
+// it returns the row count and whether a relay sleeps (always with check; also for every call
+// with scheduled messages, whose statement reports its count that way).
 type insertStmt struct {
 	sql   string
 	args  []any
 	check bool
+	row   bool
 	n     int
 }
 
@@ -267,6 +276,8 @@ func (w *Writer) insert(ctx context.Context, topic string, msgs []*message.Messa
 	hashes := make([]int64, len(msgs))
 	payloads := make([][]byte, len(msgs))
 	metas := make([]string, len(msgs))
+	scheds := make([]schedule, len(msgs))
+	anyScheduled := false
 	routed := false // some message's topic differs from the first one's
 	var problems []error
 	for i, msg := range msgs {
@@ -287,6 +298,10 @@ func (w *Writer) insert(ctx context.Context, topic string, msgs []*message.Messa
 		case len(msg.Payload) > w.cfg.MaxPayloadBytes:
 			problems = append(problems, &ValidationError{Index: i, UUID: msg.UUID,
 				Err: fmt.Errorf("%w: %d bytes > %d (raise Config.MaxPayloadBytes, and the broker's message.max.bytes, or store the data elsewhere and send a reference)", ErrPayloadTooLarge, len(msg.Payload), w.cfg.MaxPayloadBytes)})
+		default:
+			if scheds[i], err = scheduleOf(msg); err != nil {
+				problems = append(problems, &ValidationError{Index: i, UUID: msg.UUID, Err: err})
+			}
 		}
 		if len(problems) > 0 {
 			continue // keep validating to report every problem, but build nothing more
@@ -296,6 +311,7 @@ func (w *Writer) insert(ctx context.Context, topic string, msgs []*message.Messa
 			return insertStmt{}, fmt.Errorf("outbox: encode metadata of message %d: %w", i, err)
 		}
 		routed = routed || topics[i] != topics[0]
+		anyScheduled = anyScheduled || scheds[i].set
 		ids[i] = id.String()
 		keys[i] = PartitionKey(msg)
 		hashes[i] = int64(keyHash(keys[i], ids[i]))
@@ -305,7 +321,11 @@ func (w *Writer) insert(ctx context.Context, topic string, msgs []*message.Messa
 	if err := errors.Join(problems...); err != nil {
 		return insertStmt{}, err
 	}
-	ins := insertStmt{n: len(msgs), check: !w.cfg.DisableNotify && time.Duration(time.Now().UnixNano()-w.awakeAt.Load()) >= WakeCheckInterval}
+	check := !w.cfg.DisableNotify && time.Duration(time.Now().UnixNano()-w.awakeAt.Load()) >= WakeCheckInterval
+	if anyScheduled {
+		return w.scheduledStmt(check, topics, ids, keys, hashes, payloads, metas, scheds), nil
+	}
+	ins := insertStmt{n: len(msgs), check: check, row: check}
 	st := w.plain
 	if ins.check {
 		st = w.wake
@@ -334,15 +354,25 @@ func (w *Writer) insertError(n int, err error) error {
 	return fmt.Errorf("outbox: insert %d messages into %s.outbox: %w", n, w.cfg.Schema, err)
 }
 
-// storedMetadata is md without the routing key, which is consumed by the write. The caller's
-// map is never modified.
+// consumedKeys are the metadata keys the write consumes: never stored, never published.
+var consumedKeys = map[string]bool{MetadataTopic: true, MetadataDeliverAt: true, MetadataDeliverAfter: true}
+
+// storedMetadata is md without the routing and scheduling keys, which are consumed by the
+// write. The caller's map is never modified.
 func storedMetadata(md message.Metadata) message.Metadata {
-	if _, ok := md[MetadataTopic]; !ok {
+	// Three lookups, not a walk of the map: this runs for every message written.
+	n := 0
+	for _, k := range [...]string{MetadataTopic, MetadataDeliverAt, MetadataDeliverAfter} {
+		if _, ok := md[k]; ok {
+			n++
+		}
+	}
+	if n == 0 {
 		return md
 	}
-	out := make(message.Metadata, len(md)-1)
+	out := make(message.Metadata, len(md)-n)
 	for k, v := range md {
-		if k != MetadataTopic {
+		if !consumedKeys[k] {
 			out[k] = v
 		}
 	}

@@ -18,16 +18,18 @@ import (
 
 // Defaults used when a Config field is left zero.
 const (
-	DefaultBatchSize       = 1000
-	DefaultMaxBatchBytes   = 64 << 20
-	DefaultPollInterval    = time.Second
-	DefaultBusyPoll        = time.Millisecond
-	DefaultShards          = 64
-	DefaultLeaseDuration   = 8 * time.Second
-	DefaultMaxAttempts     = 10
-	DefaultRetryBackoff    = 100 * time.Millisecond
-	DefaultMaxRetryBackoff = 30 * time.Second
-	DefaultShutdownTimeout = 10 * time.Second
+	DefaultBatchSize     = 1000
+	DefaultMaxBatchBytes = 64 << 20
+	DefaultPollInterval  = time.Second
+	// DefaultScheduledCheckInterval is Config.ScheduledCheckInterval's default.
+	DefaultScheduledCheckInterval = 500 * time.Millisecond
+	DefaultBusyPoll               = time.Millisecond
+	DefaultShards                 = 64
+	DefaultLeaseDuration          = 8 * time.Second
+	DefaultMaxAttempts            = 10
+	DefaultRetryBackoff           = 100 * time.Millisecond
+	DefaultMaxRetryBackoff        = 30 * time.Second
+	DefaultShutdownTimeout        = 10 * time.Second
 	// DefaultStatementTimeout bounds each of the relay's claims, deletes and failure records.
 	DefaultStatementTimeout = 15 * time.Second
 	DefaultStatsInterval    = 10 * time.Second
@@ -99,6 +101,15 @@ type Config struct {
 	// traffic instead of costing a claim, a produce and a delete per event. After 25ms without
 	// rows the relay goes to sleep (see PollInterval). Default 1ms.
 	BusyPollInterval time.Duration
+
+	// ScheduledCheckInterval is the longest a relay waits before looking up the next due time
+	// of the scheduled messages (outbox.DeliverAt, outbox.DeliverAfter): writers never notify
+	// for a scheduled row, so a message written due sooner than the relay's next known due time
+	// is found within this interval. Between checks the relay sleeps until the next due time,
+	// then moves the due rows into the outbox and publishes them; a check is one index lookup,
+	// whatever the number of scheduled rows. Default 500ms, which with the move and the publish
+	// keeps a message's delay after its due time under 1s.
+	ScheduledCheckInterval time.Duration
 
 	// Shards is the number of virtual shards rows are spread over (key_hash % Shards). Each
 	// shard is published by one relay at a time. Every relay of a schema must use the same
@@ -209,6 +220,9 @@ func (c Config) withDefaults() (Config, error) {
 	if c.PollInterval == 0 {
 		c.PollInterval = DefaultPollInterval
 	}
+	if c.ScheduledCheckInterval == 0 {
+		c.ScheduledCheckInterval = DefaultScheduledCheckInterval
+	}
 	if c.BusyPollInterval == 0 {
 		c.BusyPollInterval = DefaultBusyPoll
 	}
@@ -262,6 +276,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.MaxBatchBytes < MinBatchBytes {
 		add("MaxBatchBytes is %d; use at least %d (0 means the default %d)", c.MaxBatchBytes, MinBatchBytes, DefaultMaxBatchBytes)
+	}
+	if c.ScheduledCheckInterval < MinPollInterval {
+		add("ScheduledCheckInterval is %s; use at least %s (0 means the default %s)", c.ScheduledCheckInterval, MinPollInterval, DefaultScheduledCheckInterval)
 	}
 	if c.PollInterval < MinPollInterval {
 		add("PollInterval is %s; use at least %s (0 means the default %s)", c.PollInterval, MinPollInterval, DefaultPollInterval)

@@ -76,6 +76,10 @@ func (r *Relay) listen(ctx context.Context) {
 				switch {
 				case err == nil:
 					r.signal()
+					select {
+					case r.schedWake <- struct{}{}:
+					default:
+					}
 				case ctx.Err() != nil:
 					return ctx.Err()
 				case errors.Is(err, context.DeadlineExceeded):

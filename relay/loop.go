@@ -119,18 +119,21 @@ func (r *Relay) setAsleep(ctx context.Context) {
 		return // stay awake: polling finds the rows, only later
 	}
 	r.asleep, r.sleptAt = true, time.Now()
+	r.asleepSince.Store(r.sleptAt.UnixNano())
 }
 
 // setAwake clears the mark, so writers stop notifying.
 func (r *Relay) setAwake(ctx context.Context) {
 	r.clearMark(ctx)
 	r.asleep = false
+	r.asleepSince.Store(0)
 }
 
 // setAwakeAsync clears the mark like setAwake, on a goroutine of its own; the relay counts
 // as awake from now on. The returned function waits until the statement finished.
 func (r *Relay) setAwakeAsync(ctx context.Context) (wait func()) {
 	r.asleep = false
+	r.asleepSince.Store(0)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)

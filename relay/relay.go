@@ -31,7 +31,11 @@ type Relay struct {
 	leases  *leases
 	blocked *blockList
 	wake    chan struct{}
-	running atomic.Bool
+	// schedWake wakes the scheduler (a notification: a row due soon may have been written);
+	// asleepSince is when the loop marked the relay asleep (UnixNano; 0 while awake).
+	schedWake   chan struct{}
+	asleepSince atomic.Int64
+	running     atomic.Bool
 	// idleFails counts consecutive batches that made no progress because of transient
 	// errors; it drives the global backoff.
 	idleFails int
@@ -77,17 +81,18 @@ func New(cfg Config) (*Relay, error) {
 	pool, sink := cfg.Pool, cfg.Sink
 	q := newQueries(cfg.Schema)
 	r := &Relay{
-		cfg:     cfg,
-		pool:    pool,
-		sink:    sink,
-		log:     cfg.Logger.With("relay", cfg.InstanceID),
-		m:       cfg.Metrics,
-		q:       q,
-		blocked: newBlockList(cfg.RetryBackoff, cfg.MaxRetryBackoff),
-		wake:    make(chan struct{}, 1),
-		tr:      tracing.New(cfg.TracerProvider, cfg.Propagator),
-		flog:    newFailureLog(cfg.Logger, cfg.FailureLogInterval),
-		topics:  newTopicGate(cfg.RetryBackoff, cfg.MaxRetryBackoff),
+		cfg:       cfg,
+		pool:      pool,
+		sink:      sink,
+		log:       cfg.Logger.With("relay", cfg.InstanceID),
+		m:         cfg.Metrics,
+		q:         q,
+		blocked:   newBlockList(cfg.RetryBackoff, cfg.MaxRetryBackoff),
+		wake:      make(chan struct{}, 1),
+		schedWake: make(chan struct{}, 1),
+		tr:        tracing.New(cfg.TracerProvider, cfg.Propagator),
+		flog:      newFailureLog(cfg.Logger, cfg.FailureLogInterval),
+		topics:    newTopicGate(cfg.RetryBackoff, cfg.MaxRetryBackoff),
 	}
 	r.cfg.Logger = r.log
 	r.leases = newLeases(r.cfg, pool, q, r.m)
@@ -133,6 +138,8 @@ func (r *Relay) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() { defer wg.Done(); r.listen(bg) }()
 	}
+	wg.Add(1)
+	go func() { defer wg.Done(); r.scheduler(bg) }()
 	if r.cfg.StatsInterval > 0 {
 		if _, nop := r.m.(NopMetrics); !nop {
 			wg.Add(1)
