@@ -128,8 +128,8 @@ func writeScheduled(t *testing.T, db *testdb.DB, topic string, immediate int, de
 	return out
 }
 
-// TestScheduledMessagesPublishOnTime: scheduled messages due over a few seconds, written among
-// immediate ones in the same calls, are each published once, none before its time (by the
+// TestScheduledMessagesPublishOnTime: with two relays running, scheduled messages due over a
+// few seconds, written among immediate ones in the same calls, are each published once, none before its time (by the
 // record's produce timestamp) and each published (the record's timestamp) within 1s after it; a key's scheduled
 // messages come out in due order whatever order they were written in; a message cancelled
 // before its time is never published (CancelTx reports true), and cancelling one already
@@ -141,7 +141,9 @@ func TestScheduledMessagesPublishOnTime(t *testing.T) {
 	brokers := kafkatest.Brokers(t, 3)
 	topic := kafkatest.Topic("scheduled")
 	got := readArrivals(t, brokers, topic)
-	startRelay(t, newKafkaRelay(t, db, brokers, relay.Config{}))
+	// Two relays: both check and move; per-key due order must hold across them.
+	startRelay(t, newKafkaRelay(t, db, brokers, relay.Config{InstanceID: "sched-a"}))
+	startRelay(t, newKafkaRelay(t, db, brokers, relay.Config{InstanceID: "sched-b"}))
 
 	var due []dueMsg
 	var delays []time.Duration
