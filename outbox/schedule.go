@@ -56,8 +56,8 @@ const ScheduledWakeWithin = 5 * time.Second
 var ErrInvalidSchedule = errors.New("scheduling metadata is not valid (use outbox.DeliverAt or outbox.DeliverAfter)")
 
 // DeliverAt schedules msg for time t: the write call that takes it keeps it aside, and a relay
-// publishes it once the database's clock reaches t (a time in the past: at once). It returns
-// msg for chaining:
+// publishes it once the database's clock reaches t (a time in the past: at the relays' next
+// check, well within a second). It returns msg for chaining:
 //
 //	err := outbox.WriteTx(ctx, tx, "orders.reminder",
 //		outbox.DeliverAt(outbox.NewMessage(payload), order.PlacedAt.Add(24*time.Hour)))

@@ -102,13 +102,15 @@ type Config struct {
 	// rows the relay goes to sleep (see PollInterval). Default 1ms.
 	BusyPollInterval time.Duration
 
-	// ScheduledCheckInterval is the longest a relay waits before looking up the next due time
-	// of the scheduled messages (outbox.DeliverAt, outbox.DeliverAfter): writers never notify
-	// for a scheduled row, so a message written due sooner than the relay's next known due time
-	// is found within this interval. Between checks the relay sleeps until the next due time,
-	// then moves the due rows into the outbox and publishes them; a check is one index lookup,
-	// whatever the number of scheduled rows. Default 500ms, which with the move and the publish
-	// keeps a message's delay after its due time under 1s.
+	// ScheduledCheckInterval is the longest an awake relay waits before looking up the next due
+	// time of the scheduled messages (outbox.DeliverAt, outbox.DeliverAfter): writers do not
+	// notify an awake relay, so a message written due sooner than the relay's next known due
+	// time is found within this interval. Between checks the relay waits until the next due
+	// time, then moves the due rows into the outbox and publishes them; a check is one index
+	// lookup, whatever the number of scheduled rows. A sleeping relay checks every
+	// outbox.ScheduledWakeWithin minus this interval instead: writes of messages due sooner
+	// wake it (see outbox.ScheduledWakeWithin). Default 500ms, which with the move and the
+	// publish keeps a message's delay after its due time under 1s.
 	ScheduledCheckInterval time.Duration
 
 	// Shards is the number of virtual shards rows are spread over (key_hash % Shards). Each
