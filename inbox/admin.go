@@ -318,11 +318,17 @@ func (a *Admin) Expired(ctx context.Context, db DB, window time.Duration, max in
 // that the cleaner may delete it once expired: not a barrier row of a saga alive in schema's
 // saga table or, with elsewhere (the sagas live in another database, asked separately), not a
 // barrier row at all. Cleaner and Expired both use it, so a count is what a cleanup deletes.
+//
+// Nor is the dedup row of a message parked in the retry lane (inbox_parked, RetryAfter): the
+// lane applies it later by its parked row, and a redelivery in between must stay a duplicate
+// however long the lane waits. NOT IN over the parked rows is one hashed scan of that table (it
+// holds the lanes' waiting messages only) per statement.
 func keptBarriersOut(schema string, elsewhere bool) string {
+	parked := ` AND (consumer, dedup_key) NOT IN (SELECT x.consumer, x.dedup_key FROM ` + pgsql.Table(schema, "inbox_parked") + ` x)`
 	if elsewhere {
-		return `saga_id IS NULL`
+		return `saga_id IS NULL` + parked
 	}
-	return cleaning.NotLiveBarrier(schema)
+	return cleaning.NotLiveBarrier(schema) + parked
 }
 
 func (a *Admin) wrap(what string, err error) error {

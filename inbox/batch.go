@@ -109,7 +109,7 @@ func (ib *Inbox) runUnit(ctx context.Context, u *unit, eu engine.Unit) (engine.R
 		}
 	case res.Outcome == engine.Applied:
 		took := time.Since(start)
-		for range res.Applied {
+		for range len(res.Applied) - len(u.behind) {
 			ib.cfg.Metrics.Processed(ib.cfg.Consumer, took)
 		}
 	}
@@ -130,6 +130,11 @@ type unit struct {
 	// handler returned produced[i] (nil for a set handler).
 	produced []*message.Message
 	origin   []int
+	// claimed: the keys are recorded already (a parked message the lane applies): no claim,
+	// no lane check.
+	claimed bool
+	// behind are the messages parked behind their lane in this transaction (not run).
+	behind []int
 }
 
 // newUnit reads the messages' dedup keys. A message without a usable key is dropped
@@ -156,7 +161,13 @@ func (ib *Inbox) newUnit(msgs []*message.Message, topic string, h message.Handle
 
 // Apply implements engine.Unit.
 func (u *unit) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
-	claimed, err := u.ib.ClaimTx(ctx, tx, u.keys...)
+	if u.claimed {
+		if err := u.run(ctx, tx, u.keyed); err != nil {
+			return nil, err
+		}
+		return u.keyed, nil
+	}
+	claimed, parked, err := u.ib.claimAndCheckLanes(ctx, tx, u.msgs, u.keys, u.keyed)
 	if err != nil {
 		return nil, err
 	}
@@ -174,15 +185,25 @@ func (u *unit) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 	if len(fresh) == 0 {
 		return nil, nil
 	}
-	if u.set != nil {
-		err = u.runSet(ctx, tx, fresh)
-	} else {
-		err = u.runEach(ctx, tx, fresh)
-	}
+	run, behind, err := u.parkBehind(ctx, tx, fresh, parked)
 	if err != nil {
 		return nil, err
 	}
-	return fresh, nil
+	u.behind = behind
+	if len(run) > 0 {
+		if err := u.run(ctx, tx, run); err != nil {
+			return nil, err
+		}
+	}
+	return fresh, nil // the parked ones commit too: their dedup and parked rows
+}
+
+// run runs the handler for the messages at idx.
+func (u *unit) run(ctx context.Context, tx pgx.Tx, idx []int) error {
+	if u.set != nil {
+		return u.runSet(ctx, tx, idx)
+	}
+	return u.runEach(ctx, tx, idx)
 }
 
 // Write implements engine.Unit: the handlers' messages, in one outbox statement.

@@ -127,6 +127,22 @@ type Config struct {
 	// a batched consumer's (inboxkafka.BatchConsumer). Each look is one indexed query on the
 	// rows waiting. Default DefaultReplayInterval (5 s); negative is refused.
 	ReplayInterval time.Duration
+	// LaneKey returns a message's key in the retry lane (RetryAfter): a message parked for
+	// later holds back the later messages of its key (of its topic, for this consumer), and
+	// only those. Default: outbox.PartitionKey, the key the relay published it with, else, on
+	// a batched consumer, the record's Kafka key. Return "" for a message without one: it is
+	// parked alone and holds nothing back. On a router, for messages other producers sent,
+	// watermill-kafka's kafka.MessageKeyFromCtx gives the Kafka key.
+	LaneKey func(*message.Message) string
+	// LaneMaxAttempts is how many failed attempts a message in the retry lane may reach before
+	// it is given up as poison (its key's later messages then go on). Default
+	// DefaultLaneMaxAttempts; negative is refused.
+	LaneMaxAttempts int
+	// LaneInterval is how often this consumer's processes look for parked messages that are
+	// due (Inbox.RouterPlugin, inboxkafka.BatchConsumer): one indexed query. A message is
+	// applied about this long after its time at most. Default DefaultLaneInterval (1 s);
+	// negative is refused.
+	LaneInterval time.Duration
 }
 
 // DefaultReplayInterval is the default Config.ReplayInterval.
@@ -142,6 +158,7 @@ type Inbox struct {
 	errManaged error // what Commit and Rollback on the handler's view return
 	tr         *tracing.Tracer
 	replaySQL  replaySQL
+	laneSQL    laneSQL
 	// routerReplays: RouterPlugin was installed, so the Poison middleware's rows get replayed.
 	routerReplays  atomic.Bool
 	warnNoReplayer sync.Once
@@ -164,6 +181,19 @@ func New(cfg Config) (*Inbox, error) {
 		problems = append(problems, fmt.Errorf("ReplayInterval is %s; use 0 for the default (%s) or a positive interval", cfg.ReplayInterval, DefaultReplayInterval))
 	} else if cfg.ReplayInterval == 0 {
 		cfg.ReplayInterval = DefaultReplayInterval
+	}
+	if cfg.LaneMaxAttempts < 0 {
+		problems = append(problems, fmt.Errorf("LaneMaxAttempts is %d; use 0 for the default (%d) or a positive number", cfg.LaneMaxAttempts, DefaultLaneMaxAttempts))
+	} else if cfg.LaneMaxAttempts == 0 {
+		cfg.LaneMaxAttempts = DefaultLaneMaxAttempts
+	}
+	if cfg.LaneInterval < 0 {
+		problems = append(problems, fmt.Errorf("LaneInterval is %s; use 0 for the default (%s) or a positive interval", cfg.LaneInterval, DefaultLaneInterval))
+	} else if cfg.LaneInterval == 0 {
+		cfg.LaneInterval = DefaultLaneInterval
+	}
+	if cfg.LaneKey == nil {
+		cfg.LaneKey = defaultLaneKey
 	}
 	if cfg.NoKeyPolicy != RejectNoKey && cfg.NoKeyPolicy != DropNoKey {
 		problems = append(problems, fmt.Errorf("NoKeyPolicy is %v; use inbox.RejectNoKey (default) or inbox.DropNoKey", cfg.NoKeyPolicy))
@@ -197,6 +227,7 @@ func New(cfg Config) (*Inbox, error) {
 			outbox.ErrTxManaged, cfg.Consumer),
 		tr:        tracing.New(cfg.TracerProvider, cfg.Propagator),
 		replaySQL: newReplaySQL(cfg.Schema),
+		laneSQL:   newLaneSQL(cfg.Schema),
 	}, nil
 }
 
@@ -264,7 +295,11 @@ func IsPoison(err error) bool {
 // (IsPoison), so they reach the poison queue at once:
 //
 //	middleware.Retry{MaxRetries: 5, ..., ShouldRetry: inbox.ShouldRetry}
-func ShouldRetry(p middleware.RetryParams) bool { return !IsPoison(p.Err) }
+//
+// It does not retry a RetryAfter either: the Poison middleware parks it in the retry lane.
+func ShouldRetry(p middleware.RetryParams) bool {
+	return !IsPoison(p.Err) && engine.AsRetryLater(p.Err) == nil
+}
 
 // writeProduced writes the handler's messages to the outbox in tx, in the order returned, in
 // one statement whatever their topics: each goes to its outbox.ToTopic topic, or else to

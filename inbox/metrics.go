@@ -25,12 +25,15 @@ type Metrics interface {
 	// Poisoned: a batched consumer gave the message up after its attempts and recorded it in
 	// inbox_poison (SettlePoison).
 	Poisoned(consumer string)
+	// Parked: the message was parked in the retry lane (RetryAfter), at its lane's head or
+	// behind an earlier parked message of its key.
+	Parked(consumer string)
 }
 
 // Counters is a Metrics that keeps totals across all consumers, for tests, demos and
 // health pages. The zero value is ready to use.
 type Counters struct {
-	processed, duplicates, failures, noKeys, poisoned atomic.Int64
+	processed, duplicates, failures, noKeys, poisoned, parked atomic.Int64
 }
 
 var _ Metrics = (*Counters)(nil)
@@ -50,6 +53,9 @@ func (c *Counters) NoKey(string) { c.noKeys.Add(1) }
 // Poisoned implements Metrics.
 func (c *Counters) Poisoned(string) { c.poisoned.Add(1) }
 
+// Parked implements Metrics.
+func (c *Counters) Parked(string) { c.parked.Add(1) }
+
 // CountersSnapshot is a point-in-time copy of Counters.
 type CountersSnapshot struct {
 	Processed  int64 // handler ran and committed
@@ -57,6 +63,7 @@ type CountersSnapshot struct {
 	Failures   int64 // rolled back and returned as failed
 	NoKeys     int64 // refused or dropped for lack of a key
 	Poisoned   int64 // given up by a batched consumer and recorded as poison
+	Parked     int64 // parked in the retry lane (RetryAfter, or behind a parked message)
 }
 
 // Snapshot returns the current totals.
@@ -67,6 +74,7 @@ func (c *Counters) Snapshot() CountersSnapshot {
 		Failures:   c.failures.Load(),
 		NoKeys:     c.noKeys.Load(),
 		Poisoned:   c.poisoned.Load(),
+		Parked:     c.parked.Load(),
 	}
 }
 
@@ -90,3 +98,6 @@ func (NopMetrics) NoKey(string) {}
 
 // Poisoned implements Metrics.
 func (NopMetrics) Poisoned(string) {}
+
+// Parked implements Metrics.
+func (NopMetrics) Parked(string) {}

@@ -591,6 +591,16 @@ func (ib *Inbox) Poison(h message.HandlerFunc) message.HandlerFunc {
 		// The message's context may be cancelled already (Timeout, a closing subscriber).
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(mctx), ib.cfg.CommitTimeout)
 		defer cancel()
+		if rl := engine.AsRetryLater(err); rl != nil && !IsPoison(err) {
+			// The handler asked for later: parked in the retry lane, and acknowledged.
+			l := engine.Later{Source: g.Source, Attempts: g.Attempts, Err: err, After: rl.After}
+			if serr := ib.SettleLater(ctx, msg, l); serr == nil {
+				return nil, nil
+			} else if !errors.Is(serr, engine.ErrNoLane) {
+				return nil, fmt.Errorf("inbox: consumer %q: message %q asked to be retried later and could not be parked, so it is redelivered (%v): %w",
+					ib.cfg.Consumer, msg.UUID, serr, err)
+			}
+		}
 		if serr := ib.SettlePoison(ctx, msg, g); serr != nil {
 			return nil, fmt.Errorf("inbox: consumer %q: message %q failed for good and could not be recorded as poison, so it is redelivered (%v): %w",
 				ib.cfg.Consumer, msg.UUID, serr, err)
@@ -643,6 +653,13 @@ func (ib *Inbox) runRouterReplays(r *message.Router, handlers map[string]message
 	target := func(row *replayRow) replayTarget {
 		return replayTarget{topic: row.publishTopic, h: handlers[row.handler]}
 	}
+	laneTarget := func(handler, publishTopic string) replayTarget {
+		return replayTarget{topic: publishTopic, h: handlers[handler]}
+	}
+	// The retry lane drains on a loop of its own: its interval is shorter than the replays'.
+	go engine.RunReplays(ctx, ib.cfg.LaneInterval, ib.cfg.Logger, func(ctx context.Context) (int, error) {
+		return ib.drainLanes(ctx, rp, names, nil, laneTarget)
+	})
 	engine.RunReplays(ctx, ib.cfg.ReplayInterval, ib.cfg.Logger, func(ctx context.Context) (int, error) {
 		return ib.applyReplays(ctx, rp, names, nil, target)
 	})

@@ -16,6 +16,7 @@ const (
 	outcomeDuplicate = "duplicate"
 	outcomeFailed    = "failed"
 	outcomeNoKey     = "no_key"
+	outcomeParked    = "parked"
 )
 
 // startProcess starts the `process <topic>` span (CONSUMER) of one message, around its

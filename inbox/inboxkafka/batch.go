@@ -279,6 +279,23 @@ func (c *BatchConsumer) Run(ctx context.Context) error {
 			wg.Wait()
 		}()
 	}
+	if d, ok := c.cfg.Processor.(engine.LaneDrainer); ok {
+		// The retry lane (inbox.RetryAfter): parked messages of this consumer's topics are
+		// applied by its own processes when due, each key's in order.
+		lctx, cancel := context.WithCancel(ctx)
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			engine.RunReplays(lctx, d.LaneInterval(), c.log, func(ctx context.Context) (int, error) {
+				return d.DrainLanes(ctx, c.policy(), c.cfg.Topics)
+			})
+		}()
+		defer func() {
+			cancel()
+			wg.Wait()
+		}()
+	}
 	for {
 		fetches := c.cl.PollFetches(ctx)
 		if fetches.IsClientClosed() {
@@ -444,7 +461,7 @@ func (c *BatchConsumer) work(ctx context.Context, w *worker) {
 func (c *BatchConsumer) settle(ctx context.Context, recs []*kgo.Record) bool {
 	msgs := make([]*message.Message, len(recs))
 	for i, r := range recs {
-		msgs[i] = kafkarecord.Decode(ctx, r)
+		msgs[i] = kafkarecord.Decode(inbox.WithOrigin(ctx, source(r), string(r.Key)), r)
 	}
 	for done := 0; done < len(recs); {
 		n := min(c.cfg.MaxBatch, len(recs)-done)
@@ -570,6 +587,20 @@ func (s slotted) SettlePoison(ctx context.Context, msg *message.Message, p inbox
 	}
 	defer s.c.release()
 	return s.c.cfg.Processor.SettlePoison(ctx, msg, p)
+}
+
+// SettleLater parks msg in the processor's retry lane (engine.Parker), holding a slot; a
+// processor without a lane says so (engine.ErrNoLane) and the message counts a failure.
+func (s slotted) SettleLater(ctx context.Context, msg *message.Message, l engine.Later) error {
+	pk, ok := s.c.cfg.Processor.(engine.Parker)
+	if !ok {
+		return engine.ErrNoLane
+	}
+	if !s.c.acquire(ctx) {
+		return ctx.Err()
+	}
+	defer s.c.release()
+	return pk.SettleLater(ctx, msg, l)
 }
 
 func (c *BatchConsumer) acquire(ctx context.Context) bool {

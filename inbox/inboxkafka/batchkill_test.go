@@ -2,6 +2,7 @@ package inboxkafka_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/internal/testutil"
@@ -63,8 +65,13 @@ func childMain() int {
 		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 		select {}
 	}
+	hold := os.Getenv("CHILD_LANE") == "hold"
 	p := ib.Batch("", func(msg *message.Message) ([]*message.Message, error) {
 		seq, _ := strconv.Atoi(msg.Metadata.Get("seq"))
+		if hold && msg.Metadata.Get("k") == "k0" && seq == 1 {
+			// CHILD_LANE=hold: key k0's first message keeps asking for later (the retry lane).
+			return nil, inbox.RetryAfter(errors.New("provider down"), 300*time.Millisecond)
+		}
 		if _, err := outbox.MustTx(msg.Context()).Exec(msg.Context(), effect, msg.UUID, msg.Metadata.Get("k"), seq); err != nil {
 			return nil, err
 		}
@@ -83,7 +90,7 @@ func childMain() int {
 	}}
 	c, err := inboxkafka.NewBatchConsumer(inboxkafka.BatchConfig{
 		Brokers: strings.Split(os.Getenv("CHILD_BROKERS"), ","), Group: os.Getenv("CHILD_GROUP"), Topics: []string{os.Getenv("CHILD_TOPIC")},
-		Processor: proc, MaxBatch: 50, Logger: log,
+		Processor: afterCommitLane{proc, p.(lane)}, MaxBatch: 50, Logger: log,
 		// Short sessions so a killed member leaves the group quickly; the test's kfake allows them.
 		ClientOpts: []kgo.Opt{kgo.SessionTimeout(2 * time.Second), kgo.HeartbeatInterval(200 * time.Millisecond), kgo.RebalanceTimeout(4 * time.Second)},
 	})
@@ -108,6 +115,19 @@ func (a afterCommit) ProcessBatch(ctx context.Context, msgs []*message.Message) 
 		a.after(len(msgs))
 	}
 	return err
+}
+
+// lane is the retry lane of an inbox's batch processor.
+type lane interface {
+	engine.Parker
+	engine.LaneDrainer
+}
+
+// afterCommitLane is afterCommit with the wrapped processor's retry lane: a wrapper that does
+// not forward it leaves the consumer without one.
+type afterCommitLane struct {
+	afterCommit
+	lane
 }
 
 func pgxIdent(s string) string { return `"` + strings.ReplaceAll(s, `"`, `""`) + `"` }

@@ -64,3 +64,6 @@ func (m *Metrics) NoKey(consumer string) { m.messages.WithLabelValues(consumer, 
 
 // Poisoned implements inbox.Metrics.
 func (m *Metrics) Poisoned(consumer string) { m.messages.WithLabelValues(consumer, "poisoned").Inc() }
+
+// Parked implements inbox.Metrics: the outcome "parked" (the retry lane).
+func (m *Metrics) Parked(consumer string) { m.messages.WithLabelValues(consumer, "parked").Inc() }

@@ -325,3 +325,4 @@ func (nopMetrics) Duplicate(string)                {}
 func (nopMetrics) Failed(string)                   {}
 func (nopMetrics) NoKey(string)                    {}
 func (nopMetrics) Poisoned(string)                 {}
+func (nopMetrics) Parked(string)                   {}

@@ -18,7 +18,6 @@ import (
 // (another delivery of it committed meanwhile, or the last attempt's commit went through as
 // its connection dropped) is not: it gets no poison row, and settled is false.
 func (r *Runner) GiveUpTx(ctx context.Context, tx pgx.Tx, msg *message.Message, key string, g GiveUp) (settled bool, err error) {
-	var dedupKey *string
 	if key != "" {
 		claimed, err := r.ClaimTx(ctx, tx, key)
 		if err != nil {
@@ -27,11 +26,21 @@ func (r *Runner) GiveUpTx(ctx context.Context, tx pgx.Tx, msg *message.Message, 
 		if !claimed[0] {
 			return false, nil // another delivery of it committed meanwhile: nothing to give up
 		}
+	}
+	return true, r.RecordPoisonTx(ctx, tx, msg, key, g)
+}
+
+// RecordPoisonTx writes msg's inbox_poison row in tx, for a message whose dedup key (key; ""
+// when it has none) is recorded already: one the retry lane parked (its key was claimed when
+// it was parked) and now gives up. GiveUpTx is the claim and this.
+func (r *Runner) RecordPoisonTx(ctx context.Context, tx pgx.Tx, msg *message.Message, key string, g GiveUp) error {
+	var dedupKey *string
+	if key != "" {
 		dedupKey = &key
 	}
 	md, err := json.Marshal(msg.Metadata)
 	if err != nil {
-		return false, fmt.Errorf("%s: encode the metadata of poison message %q: %w", r.cfg.What, msg.UUID, err)
+		return fmt.Errorf("%s: encode the metadata of poison message %q: %w", r.cfg.What, msg.UUID, err)
 	}
 	reason := "unknown error"
 	if g.Err != nil {
@@ -47,9 +56,9 @@ func (r *Runner) GiveUpTx(ctx context.Context, tx pgx.Tx, msg *message.Message, 
 	}
 	if _, err := tx.Exec(ctx, r.sql.poison, r.cfg.Consumer, dedupKey, msg.UUID, g.Source, md, payload, g.Attempts, reason,
 		g.Handler, g.PublishTopic, noReplay, message.SubscribeTopicFromCtx(msg.Context())); err != nil {
-		return false, fmt.Errorf("%s: record poison message %q: %w", r.cfg.What, msg.UUID, err)
+		return fmt.Errorf("%s: record poison message %q: %w", r.cfg.What, msg.UUID, err)
 	}
-	return true, nil
+	return nil
 }
 
 // LogGiveUp logs a message recorded as given up, once its transaction committed.

@@ -71,7 +71,8 @@ func (rp RetryPolicy) withDefaults() RetryPolicy {
 // and in its poison row ("topic/partition@offset").
 //
 // A *MessageError counts an attempt: after MaxAttempts (at once for Poison) the message is
-// settled with p.SettlePoison. Any other error is the transaction's (see Blame) and counts no
+// settled with p.SettlePoison. One whose error is a *RetryLater is parked at once when p is a
+// Parker (its retry lane), and counted as an ordinary failure otherwise. Any other error is the transaction's (see Blame) and counts no
 // attempt: a conflict with a concurrent transaction (deadlock, serialization failure, lock
 // timeout) is retried at once the first time, everything else after the backoff. It returns
 // nil once msg is settled, ctx.Err() when ctx ended first, and an error matching
@@ -84,6 +85,14 @@ func (rp RetryPolicy) ApplyOne(ctx context.Context, p BatchProcessor, msg *messa
 	}
 	for err := failed; ; {
 		if err != nil {
+			if rl := AsRetryLater(err); rl != nil {
+				// The handler asked for later: park it, so its partition moves on. A processor
+				// without a lane counts it as an ordinary failure.
+				parked, perr := rp.park(ctx, p, msg, Later{Source: source, Attempts: attempts, Err: err, After: rl.After})
+				if parked || perr != nil {
+					return perr
+				}
+			}
 			if Unfixable(err) || attempts >= rp.MaxAttempts {
 				return rp.giveUp(ctx, p, msg, GiveUp{Source: source, Attempts: attempts, Err: err})
 			}
