@@ -51,11 +51,15 @@ const (
 	//                  took effect (a participant answered it done): a participant that finds
 	//                  no barrier record of that action must not decide that it never ran
 	//                  (commands)
+	//   saga_retry_after  on a retry reply, the wait the participant asked for with
+	//                  inbox.RetryAfter, as a Go duration ("10m0s"): the orchestrator re-sends
+	//                  no sooner (replies)
 	MetadataSagaName       = "saga_name"
 	MetadataSagaReplyTo    = "saga_reply_to"
 	MetadataSagaOutcome    = "saga_outcome"
 	MetadataSagaReason     = "saga_reason"
 	MetadataSagaTookEffect = "saga_took_effect"
+	MetadataSagaRetryAfter = "saga_retry_after"
 )
 
 // The values of MetadataSagaOutcome.

@@ -294,8 +294,11 @@ func (o *Orchestrator) readReply(msg *message.Message) (outbox.SagaRef, string, 
 }
 
 func replyOf(msg *message.Message, ref outbox.SagaRef) event {
+	// An unreadable wait is no wait: the step's backoff applies.
+	after, _ := time.ParseDuration(msg.Metadata.Get(outbox.MetadataSagaRetryAfter))
 	return event{reply: &replyEvent{EventID: msg.UUID, Step: ref.Step, Phase: ref.Phase, Attempt: ref.Attempt,
-		Outcome: msg.Metadata.Get(outbox.MetadataSagaOutcome), Reason: msg.Metadata.Get(outbox.MetadataSagaReason), Payload: msg.Payload}}
+		Outcome: msg.Metadata.Get(outbox.MetadataSagaOutcome), Reason: msg.Metadata.Get(outbox.MetadataSagaReason), Payload: msg.Payload,
+		RetryAfter: max(after, 0)}}
 }
 
 // SettlePoison gives up a reply whose transition kept failing: in one transaction its dedup

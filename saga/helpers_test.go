@@ -12,6 +12,7 @@ import (
 	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
+	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/outbox"
 	"github.com/onceflow/onceflow/saga"
@@ -95,12 +96,14 @@ type world struct {
 	maxAttempts int
 
 	mu        sync.Mutex
-	fail      map[string]string // step -> business failure reason
-	failOrder map[string]string // order -> the step that fails for it ("declined")
-	broken    map[string]string // order -> the step whose handler returns a plain error for it
-	transient map[string]int    // step -> transient failures left
-	compFail  map[string]int    // step -> failing compensations left
-	calls     map[string]int    // "step/phase" -> handler calls
+	fail      map[string]string        // step -> business failure reason
+	failOrder map[string]string        // order -> the step that fails for it ("declined")
+	broken    map[string]string        // order -> the step whose handler returns a plain error for it
+	transient map[string]int           // step -> transient failures left
+	compFail  map[string]int           // step -> failing compensations left
+	calls     map[string]int           // "step/phase" -> handler calls
+	later     map[string]time.Duration // step -> the wait its action asks for once (inbox.RetryAfter)
+	actionAt  map[string][]time.Time   // step -> when its action ran
 }
 
 // newWorld builds the world; the action handlers of the steps in down are not subscribed
@@ -138,7 +141,8 @@ func newWorldOn(t *testing.T, db *testdb.DB, batched bool, def *saga.Definition[
 		t.Fatal(err)
 	}
 	w := &world{t: t, db: db, def: def, metrics: &saga.Counters{}, fail: map[string]string{}, transient: map[string]int{},
-		compFail: map[string]int{}, calls: map[string]int{}, failOrder: map[string]string{}, broken: map[string]string{}}
+		compFail: map[string]int{}, calls: map[string]int{}, failOrder: map[string]string{}, broken: map[string]string{},
+		later: map[string]time.Duration{}, actionAt: map[string][]time.Time{}}
 	w.orch = w.newOrchestrator()
 	w.bus = sagatest.NewBus(db.Pool, db.Schema)
 	w.batched = batched
@@ -223,6 +227,9 @@ func (w *world) action(name string) func(context.Context, pgx.Tx, stepCmd) (step
 			w.transient[name]--
 		}
 		broken := w.broken[cmd.Order] == name
+		later := w.later[name]
+		delete(w.later, name)
+		w.actionAt[name] = append(w.actionAt[name], time.Now())
 		w.mu.Unlock()
 		if broken {
 			return stepResult{}, errors.New("relation \"ledger\" is locked: a bug, neither Fail nor Retry")
@@ -236,6 +243,8 @@ func (w *world) action(name string) func(context.Context, pgx.Tx, stepCmd) (step
 			return stepResult{}, saga.Fail(reason)
 		case transient:
 			return stepResult{}, saga.Retry(errors.New("provider timeout"))
+		case later > 0:
+			return stepResult{}, inbox.RetryAfter(errors.New("provider down"), later)
 		}
 		return stepResult{ID: name + "-" + cmd.Order}, nil
 	}

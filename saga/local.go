@@ -3,7 +3,6 @@ package saga
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -110,8 +109,7 @@ func runLocalStep(ctx context.Context, tx pgx.Tx, def definition, in *instance, 
 		}
 		return data, nil, nil
 	}
-	var oe *outcomeError
-	if !errors.As(stepErr, &oe) && !stepsFailure(ctx, stepErr, tx) {
+	if outcomeOf(stepErr) == nil && !stepsFailure(ctx, stepErr, tx) {
 		// Not the step's failure: the transaction's (a deadlock, the connection lost), or
 		// the consumer stops (a rebalance, a shutdown). No run is counted; the transition is
 		// tried again.

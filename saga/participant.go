@@ -46,6 +46,22 @@ func Retry(err error) error {
 type outcomeError struct {
 	outcome, reason string
 	err             error
+	// after is the wait a handler asked for with inbox.RetryAfter (outcome retry).
+	after time.Duration
+}
+
+// outcomeOf is err's typed outcome, if it has one: Fail, Retry, or an inbox.RetryAfter, which a
+// saga step answers as Retry with its wait (the orchestrator re-sends no sooner: the saga,
+// not the participant's partition, holds the wait).
+func outcomeOf(err error) *outcomeError {
+	var oe *outcomeError
+	if errors.As(err, &oe) {
+		return oe
+	}
+	if rl := engine.AsRetryLater(err); rl != nil {
+		return &outcomeError{outcome: outbox.SagaOutcomeRetry, reason: rl.Err.Error(), err: err, after: rl.After}
+	}
+	return nil
 }
 
 func (e *outcomeError) Error() string { return "saga: step " + e.outcome + ": " + e.reason }
@@ -339,6 +355,9 @@ func (u *commandBatch) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 			}
 		}
 		reply := u.p.reply(c.msg, c.ref, c.replyTo, outcome, reason, payload)
+		if bc.verdicts[i] == verdictDecided && c.outcome.after > 0 {
+			reply.Metadata.Set(outbox.MetadataSagaRetryAfter, c.outcome.after.String())
+		}
 		if bc.verdicts[i] == verdictRun {
 			reply.SetContext(replyCtx) // its `create` span continues the command's trace
 		}
@@ -357,8 +376,7 @@ func (u *commandBatch) runStep(ctx context.Context, tx pgx.Tx, c *command, actio
 		return u.run(ctx, tx, c.msg, actionResult)
 	})
 	endMessage(span, err)
-	var oe *outcomeError
-	if errors.As(err, &oe) {
+	if oe := outcomeOf(err); oe != nil {
 		return nil, nil, &decided{c.index, oe}
 	}
 	return mctx, out, engine.Blame(ctx, err, tx.Conn(), c.index)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ThreeDotsLabs/watermill/message"
 
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/failure"
 	"github.com/onceflow/onceflow/outbox"
 )
@@ -234,6 +235,8 @@ type replyEvent struct {
 	Outcome string
 	Reason  string
 	Payload []byte
+	// RetryAfter is the wait a participant asked for (inbox.RetryAfter) on a retry reply.
+	RetryAfter time.Duration
 }
 
 // effects is what a transition asks the store to do in the same transaction.
@@ -272,6 +275,9 @@ type machine struct {
 	// replyTx runs a step's OnReplyTx handler in the transition's transaction; the store
 	// layer sets it (runReplyTx). An error it wraps in transitionError fails the transition.
 	replyTx func(idx int, data json.RawMessage, r Reply) (json.RawMessage, error)
+	// askedAfter is the wait the step's handler asked for (inbox.RetryAfter): a re-send
+	// waits at least that long.
+	askedAfter time.Duration
 }
 
 // transitionError is a reply handler's error that is not the step's failure (a transient
@@ -313,10 +319,10 @@ func (m *machine) local(r localRun, o localOutcome) error {
 			r.Step, r.Phase, r.Attempt, in.Step, in.phase(), in.Attempt)
 	}
 	outcome, reason := outbox.SagaOutcomeDone, ""
-	var oe *outcomeError
-	switch {
-	case errors.As(o.Err, &oe):
+	switch oe := outcomeOf(o.Err); {
+	case oe != nil:
 		outcome, reason = oe.outcome, oe.reason
+		m.askedAfter = oe.after
 	case o.Err != nil:
 		outcome, reason = outbox.SagaOutcomeRetry, o.Err.Error()
 	default:
@@ -354,6 +360,7 @@ func (m *machine) onReply(r replyEvent) error {
 		return m.stale("failure reply while a re-send is already scheduled")
 	}
 	reason := r.Reason
+	m.askedAfter = r.RetryAfter
 	if len(reason) > maxReplyReason {
 		reason = strings.ToValidUTF8(reason[:maxReplyReason], "") + "…"
 	}
@@ -627,8 +634,8 @@ func (m *machine) resendLater(idx int, reason string) error {
 	if in.phase() == outbox.SagaPhaseCompensation {
 		backoff = m.def.compensationBackoff()
 	}
-	m.fx.setStep = &timer{Kind: timerStep, Step: idx, Phase: in.phase(), Attempt: in.Attempt, Action: actResend,
-		Due: m.now.Add(failure.Backoff(backoff, MaxBackoff, in.Attempt-in.Budget))}
+	wait := max(failure.Backoff(backoff, MaxBackoff, in.Attempt-in.Budget), min(m.askedAfter, engine.MaxRetryAfter))
+	m.fx.setStep = &timer{Kind: timerStep, Step: idx, Phase: in.phase(), Attempt: in.Attempt, Action: actResend, Due: m.now.Add(wait)}
 	return nil
 }
 
