@@ -49,7 +49,7 @@ func TestAdminScheduled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.Rows != 0 || !s.Exact || !s.NextDue.IsZero() || s.Overdue != 0 || s.Lag() != 0 || len(s.PerTopic) != 0 || s.CheckedAt.IsZero() {
+	if s.Rows != 0 || !s.Exact || !s.NextDue.IsZero() || s.Overdue != 0 || s.Lag() != 0 || s.CheckedAt.IsZero() {
 		t.Fatalf("nothing scheduled: %+v", s)
 	}
 	p, err := admin.Scheduled(ctx, db.Pool, relay.ScheduledFilter{})
@@ -79,13 +79,18 @@ func TestAdminScheduled(t *testing.T) {
 		s.Lag() < 59*time.Minute || s.Lag() > 61*time.Minute {
 		t.Errorf("summary: %+v (lag %s)", s, s.Lag())
 	}
-	if want := []relay.ScheduledTopicCount{{Topic: "reminders", Rows: 5}, {Topic: "invoices", Rows: 3}}; len(s.PerTopic) != 2 ||
-		s.PerTopic[0].Topic != want[0].Topic || s.PerTopic[0].Rows != want[0].Rows || !s.PerTopic[0].NextDue.Equal(s.NextDue) ||
-		s.PerTopic[1].Topic != want[1].Topic || s.PerTopic[1].Rows != want[1].Rows {
-		t.Errorf("per topic: %+v", s.PerTopic)
+	topics, err := admin.ScheduledPerTopic(ctx, db.Pool, relay.ScheduledSample)
+	if err != nil {
+		t.Fatal(err)
 	}
-	all, err := admin.ScheduledPerTopic(ctx, db.Pool)
-	if err != nil || len(all) != 2 || all[0].Rows != 5 || all[1].Rows != 3 {
+	if len(topics) != 2 || topics[0].Topic != "reminders" || topics[0].Rows != 5 || !topics[0].NextDue.Equal(s.NextDue) ||
+		topics[1].Topic != "invoices" || topics[1].Rows != 3 {
+		t.Errorf("per topic: %+v", topics)
+	}
+	if topics, err = admin.ScheduledPerTopic(ctx, db.Pool, 2); err != nil || len(topics) != 1 || topics[0].Rows != 2 {
+		t.Errorf("per topic among the next 2: %+v, %v", topics, err)
+	}
+	if all, err := admin.ScheduledPerTopic(ctx, db.Pool, 0); err != nil || len(all) != 2 || all[0].Rows != 5 || all[1].Rows != 3 {
 		t.Errorf("exact per topic: %+v, %v", all, err)
 	}
 
@@ -186,8 +191,9 @@ func TestAdminScheduledBounded(t *testing.T) {
 	if s.Exact || s.Rows <= relay.ExactBacklogRows || s.Overdue != relay.ExactBacklogRows || !s.OverdueCapped || s.Lag() < 23*time.Hour {
 		t.Errorf("summary of %d rows: %+v", n+1, s)
 	}
-	if len(s.PerTopic) != 1 || s.PerTopic[0].Topic != "bulk" || s.PerTopic[0].Rows != relay.ScheduledSample {
-		t.Errorf("per topic among the next %d: %+v", relay.ScheduledSample, s.PerTopic)
+	if topics, err := admin.ScheduledPerTopic(ctx, db.Pool, relay.ScheduledSample); err != nil || len(topics) != 1 ||
+		topics[0].Topic != "bulk" || topics[0].Rows != relay.ScheduledSample {
+		t.Errorf("per topic among the next %d: %+v, %v", relay.ScheduledSample, topics, err)
 	}
 	p, err := admin.Scheduled(ctx, db.Pool, relay.ScheduledFilter{Topic: "rare"})
 	if err != nil {

@@ -24,7 +24,7 @@ func (r *Relay) sampleStats(ctx context.Context) {
 			r.m.Pending(b.Rows, b.OldestAge())
 			r.m.ParkedRows(b.Parked)
 			var s ScheduledSummary
-			if err = readScheduledCounts(qctx, r.pool, schedSQL, schedTable, &s); err == nil {
+			if s, err = readScheduledCounts(qctx, r.pool, schedSQL, schedTable); err == nil {
 				r.m.ScheduledRows(s.Rows, s.Overdue)
 			}
 		}
