@@ -144,7 +144,8 @@ func (a *Admin) Scheduled(ctx context.Context, db DB, f ScheduledFilter) (Schedu
 
 // ScheduledSummary is what waits in outbox_scheduled, read cheaply enough for a status page or
 // a metric: counts that stop at ExactBacklogRows and the head of the due index, never the
-// whole table (2.3 ms at 1M scheduled rows, see ScheduledPerTopic for what a full count costs).
+// whole table (2.3–8 ms at 1M scheduled rows; see ScheduledPerTopic for what a full count
+// costs).
 type ScheduledSummary struct {
 	// Rows scheduled: exact when Exact (at most ExactBacklogRows); otherwise an estimate,
 	// PostgreSQL's live-tuple counter of the table (a second or so late), at least
@@ -183,7 +184,7 @@ type ScheduledTopicCount struct {
 }
 
 // ScheduledSample is the sample ScheduledPerTopic is usually given: the next 10,000 messages in
-// due order, read from the head of the due index in about 15 ms whatever the number of rows.
+// due order, read from the head of the due index in 14–24 ms whatever the number of rows.
 const ScheduledSample = 10_000
 
 // scheduledCountsSQL reads a ScheduledSummary in one round trip ($1: the counts' cap, $2: the
@@ -248,7 +249,7 @@ func (a *Admin) ScheduledSummary(ctx context.Context, db DB) (ScheduledSummary, 
 // is the usual one: the topics about to be published), or among all of them when sample is 0.
 // A sample is read from the head of the due index, at the same cost at any number of rows; 0
 // reads the whole table (no index holds the topic): measured at 1M scheduled rows of 200 B on
-// 2 shared cores, about 0.5 s, so it is an operator's question (`onceflow outbox scheduled
+// 2 shared cores, 0.5–0.8 s, so it is an operator's question (`onceflow outbox scheduled
 // --count --all`), not something to poll.
 func (a *Admin) ScheduledPerTopic(ctx context.Context, db DB, sample int) ([]ScheduledTopicCount, error) {
 	if sample < 0 {

@@ -22,7 +22,7 @@ runs, or they predate scheduled messages). outbox.CancelTx withdraws a message u
 
 --count shows the figures instead: how many are scheduled (exact up to 10000, an estimate
 above), the next due, the overdue ones, and the count by topic of the next 10000 due (--all:
-of every row, which reads the whole table: about 0.5s at a million rows).`
+of every row, which reads the whole table: 0.5s or more at a million rows).`
 
 // scheduledJSON is a page of `outbox scheduled --json`.
 type scheduledJSON struct {
