@@ -45,7 +45,11 @@ func TestPages(t *testing.T) {
 		{"/ops/sagas/" + s.running, []string{"timeout", "<td>in ", `id="wait">`, "No participant has recorded a barrier row"}},
 		{"/ops/sagas/" + s.compensating, []string{`id="barriers"`, "payments", "a null compensation", "the compensation was decided"}},
 		{"/ops/sagas/" + s.stuck + "/retry", []string{"Retry saga", "read-only"}},
-		{"/ops/outbox", []string{"orders", "o-1", "o-2", "payments"[:0]}},
+		{"/ops/outbox", []string{"orders", "o-1", "o-2", "payments"[:0], `id="scheduled-rows">1</b> scheduled`, `id="scheduled-overdue">0</b> overdue`,
+			s.scheduledEvent, "in 1h30m", `href="/ops/outbox?scheduled_topic=reminders#scheduled"`}},
+		{"/ops/outbox?scheduled_topic=reminders", []string{"Topic reminders, in due order", s.scheduledEvent}},
+		{"/ops/outbox?scheduled_topic=nosuch", []string{"No scheduled messages of topic nosuch"}},
+		{"/ops/outbox/find?event_id=" + s.scheduledEvent, []string{`id="where">Scheduled: due`, "reminders"}},
 		{"/ops/outbox?topic=orders&key=o-1", []string{s.pendingEvent, "broker down"}},
 		{"/ops/outbox/find?event_id=" + s.pendingEvent, []string{`id="where">Pending in the outbox`}},
 		{"/ops/outbox/find?event_id=" + s.parkedEvent, []string{`id="where">Parked since`, "MESSAGE_TOO_LARGE"}},
@@ -91,6 +95,7 @@ func TestBadInput(t *testing.T) {
 		{"/ops/sagas/a%01b", "control characters"},
 		{"/ops/sagas/" + s.completed + "/retry", ""},
 		{"/ops/outbox/find?event_id=42", "is not a UUID"},
+		{"/ops/outbox?scheduled_after=nope", `scheduled_after &#34;nope&#34; is not a cursor`},
 		{"/ops/outbox/replay", "choose the parked rows to replay"},
 		{"/ops/outbox/replay?id=1,x", `id &#34;x&#34; is not a row id`},
 		{"/ops/inbox/abc", "is not a poison row id"},
@@ -549,4 +554,29 @@ func postedIDs(p page) []string {
 		ids = append(ids, html.UnescapeString(m[1]))
 	}
 	return ids
+}
+
+// Overdue scheduled messages (no relay moves them) show on the overview as a figure and a
+// problem, and on the outbox page as late; a long listing pages on by its cursor.
+func TestScheduledOverdue(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("outbox_scheduled")+` (event_id, topic, key_hash, payload, due_at)
+		SELECT gen_random_uuid(), 'reminders', g, 'x', now() - interval '10 minutes' + (g + 30) * interval '1 second' FROM generate_series(1, 60) g`); err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := newServer(t, db, false)
+	b := newBrowser(t, srv)
+	b.get("/ops/").expect(t, "overview", http.StatusOK, `id="verdict" class="stuck"`, `id="scheduled-overdue">60</b> overdue scheduled messages`,
+		"60 scheduled messages are overdue")
+	p := b.get("/ops/outbox").expect(t, "outbox", http.StatusOK, `id="scheduled-rows">60</b> scheduled`, `<span class="bad">60</span>`, "the most by 9m", " late</span>")
+	next := regexp.MustCompile(`id="scheduled-next" href="([^"]+)"`).FindStringSubmatch(p.body)
+	if next == nil || strings.Count(p.body, "<td>reminders</td>") != 50 {
+		t.Fatalf("first page of 60: %d rows, next link %v", strings.Count(p.body, "<td>reminders</td>"), next)
+	}
+	p = b.get(strings.TrimPrefix(html.UnescapeString(next[1]), srv.URL)).expect(t, "second page", http.StatusOK)
+	if n := strings.Count(p.body, "<td>reminders</td>"); n != 10 || strings.Contains(p.body, `id="scheduled-next"`) {
+		t.Errorf("second page: %d rows", n)
+	}
 }

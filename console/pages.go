@@ -435,10 +435,27 @@ type outboxData struct {
 	Key       string
 	Rows      []relay.Row
 	CheckedAt time.Time
+	Scheduled scheduledData
 }
 
+// scheduledData is the outbox page's section on scheduled messages: the figures, the topics of
+// the next relay.ScheduledSample due, and one page of them in due order (filtered by topic).
+type scheduledData struct {
+	relay.ScheduledSummary
+	Topics      []relay.ScheduledTopicCount
+	Sample      int
+	Topic       string // the scheduled_topic filter
+	Page        relay.ScheduledPage
+	Next        string  // the link to the following page; "" when none
+	OverdueSecs float64 // how long the first due message is past its time
+	GraceSecs   float64 // relay.ScheduledOverdueAfter: later than this past its time is overdue
+}
+
+// scheduledPage is how many scheduled messages the outbox page lists at a time.
+const scheduledPage = 50
+
 func (c *Console) outboxPage(w http.ResponseWriter, r *http.Request) error {
-	p, err := params(r, "topic", "key")
+	p, err := params(r, "topic", "key", "scheduled_topic", "scheduled_after")
 	if err != nil {
 		return err
 	}
@@ -456,16 +473,49 @@ func (c *Console) outboxPage(w http.ResponseWriter, r *http.Request) error {
 			return err
 		}
 	}
+	if v.Scheduled, err = c.scheduled(r, p["scheduled_topic"], p["scheduled_after"]); err != nil {
+		return err
+	}
 	c.render(w, r, http.StatusOK, "outbox", v)
 	return nil
 }
 
+// scheduled reads the outbox page's scheduled section: every read bounded by the due index
+// (see relay.Admin.ScheduledSummary), at the same cost with a million rows scheduled.
+func (c *Console) scheduled(r *http.Request, topic, after string) (scheduledData, error) {
+	ctx := r.Context()
+	v := scheduledData{Sample: relay.ScheduledSample, Topic: topic, GraceSecs: relay.ScheduledOverdueAfter.Seconds()}
+	var err error
+	if v.ScheduledSummary, err = c.relay.ScheduledSummary(ctx, c.cfg.DB); err != nil {
+		return v, err
+	}
+	v.OverdueSecs = v.Lag().Seconds()
+	if v.Rows == 0 && after == "" {
+		return v, nil
+	}
+	if v.Topics, err = c.relay.ScheduledPerTopic(ctx, c.cfg.DB, relay.ScheduledSample); err != nil {
+		return v, err
+	}
+	v.Page, err = c.relay.Scheduled(ctx, c.cfg.DB, relay.ScheduledFilter{Topic: topic, After: after, Limit: scheduledPage})
+	if errors.Is(err, relay.ErrBadScheduledCursor) {
+		return v, badInput("scheduled_after %q is not a cursor of this page's listing", after)
+	}
+	if err != nil {
+		return v, err
+	}
+	if v.Page.Next != "" {
+		v.Next = c.link("/outbox") + query("scheduled_topic", topic, "scheduled_after", v.Page.Next) + "#scheduled"
+	}
+	return v, nil
+}
+
 type findData struct {
-	EventID  string
-	Searched bool
-	Where    string // pending, parked or "" (published, or never written)
-	Row      relay.Row
-	Parked   *relay.ParkedRow
+	EventID   string
+	Searched  bool
+	Where     string // pending, parked, scheduled or "" (published, cancelled, or never written)
+	Row       relay.Row
+	Parked    *relay.ParkedRow
+	Scheduled *relay.ScheduledMessage
 }
 
 func (c *Console) outboxFind(w http.ResponseWriter, r *http.Request) error {
@@ -493,6 +543,8 @@ func (c *Console) outboxFind(w http.ResponseWriter, r *http.Request) error {
 		v.Where, v.Row = "pending", found.Pending[0].Row
 	case len(found.Parked) > 0:
 		v.Where, v.Parked = "parked", &found.Parked[0].ParkedRow
+	case len(found.Scheduled) > 0:
+		v.Where, v.Scheduled = "scheduled", &found.Scheduled[0]
 	}
 	c.render(w, r, http.StatusOK, "find", v)
 	return nil

@@ -34,6 +34,7 @@ type seeded struct {
 	stuckEvent                                           string // the event id of the stuck saga's last command
 	stuckReply                                           string // the event id of its action's reply
 	parkedEvent, pendingEvent                            string
+	scheduledEvent                                       string // due in 90 minutes, topic reminders
 	parkedID                                             int64
 	poisonID                                             int64
 }
@@ -108,6 +109,11 @@ func seed(t testing.TB, db *testdb.DB) seeded {
 	s.parkedID = 9001
 	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("outbox_parked")+` (id, event_id, topic, partition_key, key_hash, payload, metadata, created_at, attempts, last_error, parked_by)
 		VALUES ($1, $2, 'payments', 'p-1', 3, '{"amount":5}', '{}', now() - interval '3 hours', 10, 'MESSAGE_TOO_LARGE', 'relay-a')`, s.parkedID, s.parkedEvent); err != nil {
+		t.Fatal(err)
+	}
+	s.scheduledEvent = uuid.Must(uuid.NewV7()).String()
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("outbox_scheduled")+` (event_id, topic, partition_key, key_hash, payload, metadata, due_at)
+		VALUES ($1, 'reminders', 'o-1', 1, '{"remind":"o-1"}', '{"k":"v"}', now() + interval '90 minutes')`, s.scheduledEvent); err != nil {
 		t.Fatal(err)
 	}
 	if err := db.Pool.QueryRow(ctx, `INSERT INTO `+db.Table("inbox_poison")+` (consumer, dedup_key, message_uuid, source, metadata, payload, attempts, error)

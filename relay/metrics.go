@@ -27,6 +27,13 @@ type Metrics interface {
 	// ParkedRows reports, with Pending, the rows in outbox_parked (capped at
 	// ExactBacklogRows): rows that need an operator (`onceflow outbox parked`).
 	ParkedRows(n int64)
+	// ScheduledRows reports, with Pending, the messages waiting in outbox_scheduled for their
+	// due time (outbox.DeliverAt; exact up to ExactBacklogRows, an estimate above, as
+	// ScheduledSummary.Rows) and how many of them are overdue: due more than
+	// ScheduledOverdueAfter ago and still not moved into the outbox (counted up to
+	// ExactBacklogRows). Any overdue row means no relay moves scheduled messages. Rows
+	// scheduled for later are not in Pending: they cost the outbox nothing until they are due.
+	ScheduledRows(rows, overdue int64)
 	// LeaseRenewal is called after every lease round (renew, acquire, rebalance): ok is
 	// false when it failed, and the relay stops publishing at the lease fence if failures go
 	// on.
@@ -72,6 +79,9 @@ func (NopMetrics) Pending(int64, time.Duration) {}
 
 // ParkedRows implements Metrics.
 func (NopMetrics) ParkedRows(int64) {}
+
+// ScheduledRows implements Metrics.
+func (NopMetrics) ScheduledRows(int64, int64) {}
 
 // LeaseRenewal implements Metrics.
 func (NopMetrics) LeaseRenewal(bool) {}

@@ -40,12 +40,18 @@ type Thresholds struct {
 	// its saga's definition version, means no running orchestrator has that version
 	// registered (a rolling deploy that removed it too early, or never finished). 0: no check.
 	MaxVersionWait time.Duration
+	// MaxScheduledOverdue: a scheduled message (outbox.DeliverAt) still waiting in
+	// outbox_scheduled longer than this after its due time means no relay moves scheduled
+	// messages: none runs for the schema, or every one that runs predates scheduled messages.
+	// A running relay moves a message within about a second of its time. 0: no check.
+	MaxScheduledOverdue time.Duration
 }
 
 // DefaultThresholds are `onceflow status`'s defaults.
 func DefaultThresholds() Thresholds {
 	return Thresholds{MaxOldest: 5 * time.Minute, MaxHeartbeat: time.Minute, MaxRetention: 100_000,
-		MaxSagaAge: time.Hour, Window: 72 * time.Hour, MaxTimerLag: time.Minute, MaxReplayWait: time.Minute, MaxVersionWait: 5 * time.Minute}
+		MaxSagaAge: time.Hour, Window: 72 * time.Hour, MaxTimerLag: time.Minute, MaxReplayWait: time.Minute, MaxVersionWait: 5 * time.Minute,
+		MaxScheduledOverdue: time.Minute}
 }
 
 // Report is one look at a schema; `onceflow status --json` prints it as is.
@@ -63,6 +69,10 @@ type Report struct {
 		OldestAgeSeconds float64 `json:"oldest_age_seconds"`
 		Parked           int64   `json:"parked"`
 	} `json:"outbox"`
+	// Scheduled is what waits in outbox_scheduled for its due time (outbox.DeliverAt), read
+	// with relay.Admin.ScheduledSummary. It is not part of Outbox until due: a million
+	// messages scheduled for tomorrow change neither the pending count nor the oldest age.
+	Scheduled     Scheduled        `json:"scheduled"`
 	Shards        int              `json:"shards"`
 	ShardsUnowned int              `json:"shards_without_live_owner"`
 	Relays        []Relay          `json:"relays"`
@@ -97,6 +107,24 @@ type AwaitingVersion struct {
 	Replies          int64   `json:"replies"`
 	Sagas            int64   `json:"sagas"`
 	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
+}
+
+// Scheduled is the state of the scheduled messages (outbox.DeliverAt, outbox.DeliverAfter).
+type Scheduled struct {
+	// Rows scheduled: exact when RowsExact (up to relay.ExactBacklogRows), else an estimate.
+	Rows      int64 `json:"rows"`
+	RowsExact bool  `json:"rows_exact"`
+	// NextDue is the due time of the next message a relay moves into the outbox (nil: none
+	// scheduled); in the past only while due messages wait to be moved.
+	NextDue *time.Time `json:"next_due,omitempty"`
+	// Overdue counts the messages due more than relay.ScheduledOverdueAfter (5 s) ago and
+	// still not moved, up to relay.ExactBacklogRows (OverdueExact false above it).
+	Overdue      int64 `json:"overdue"`
+	OverdueExact bool  `json:"overdue_exact"`
+	// OldestOverdueSeconds is how long the most overdue message is past its due time (0 when
+	// none is due); OldestOverdueEventID is its event id (`onceflow outbox find` takes it).
+	OldestOverdueSeconds float64 `json:"oldest_overdue_seconds"`
+	OldestOverdueEventID string  `json:"oldest_overdue_event_id,omitempty"`
 }
 
 // OverdueTimer is a saga timer or operator request that no orchestrator fired.
@@ -175,6 +203,7 @@ type DB interface {
 
 // Read takes one look at schema through the packages' admins (relay, inbox, idempotency,
 // saga), each read bounded whatever the backlog: the outbox through relay.Admin.Backlog,
+// the scheduled messages through relay.Admin.ScheduledSummary (counts capped on the due index),
 // retention backlogs as counts capped just above th.MaxRetention on the age indexes, sagas by
 // state over the unfinished states only (retention keeps finished ones by the million), long
 // runners and overdue timers capped at MaxSagasOverAge and MaxOverdueTimers.
@@ -203,6 +232,18 @@ func Read(ctx context.Context, db DB, schema string, th Thresholds) (*Report, er
 	r.Outbox.Pending, r.Outbox.PendingExact, r.Outbox.OldestID = b.Rows, b.Exact, b.OldestID
 	r.Outbox.OldestAgeSeconds, r.Outbox.Parked = b.OldestAge().Seconds(), b.Parked
 	age := func(t time.Time) float64 { return r.CheckedAt.Sub(t).Seconds() }
+
+	sched, err := relays.ScheduledSummary(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r.Scheduled = Scheduled{Rows: sched.Rows, RowsExact: sched.Exact, Overdue: sched.Overdue, OverdueExact: !sched.OverdueCapped}
+	if !sched.NextDue.IsZero() {
+		r.Scheduled.NextDue = &sched.NextDue
+	}
+	if lag := sched.Lag(); lag > 0 {
+		r.Scheduled.OldestOverdueSeconds, r.Scheduled.OldestOverdueEventID = lag.Seconds(), sched.NextEventID
+	}
 
 	shards, err := relays.Shards(ctx, db)
 	if err != nil {
@@ -312,6 +353,15 @@ func (r *Report) check() {
 	}
 	if oldest > th.MaxOldest {
 		add("the oldest pending row (id %d) waits for %s (over %s): `onceflow outbox inspect --failing` shows refused rows, the relay logs say why", r.Outbox.OldestID, oldest.Round(time.Second), th.MaxOldest)
+	}
+	if lag := time.Duration(r.Scheduled.OldestOverdueSeconds * float64(time.Second)); th.MaxScheduledOverdue > 0 && lag > th.MaxScheduledOverdue {
+		n := count(max(r.Scheduled.Overdue, 1), "scheduled message is", "scheduled messages are")
+		if !r.Scheduled.OverdueExact {
+			n = fmt.Sprintf("%d or more scheduled messages are", r.Scheduled.Overdue)
+		}
+		add("%s overdue; the most overdue, event %s, was due %s ago (over %s): no relay moves scheduled messages into the outbox. "+
+			"Start one (`onceflow relay --schema %s`), or upgrade the running ones (relays older than scheduled messages leave them waiting), or check their logs",
+			n, r.Scheduled.OldestOverdueEventID, lag.Round(time.Second), th.MaxScheduledOverdue, r.Schema)
 	}
 	if r.Outbox.Parked > th.MaxParked {
 		add("%s parked (over %d): `onceflow outbox parked` shows why, `onceflow outbox replay` sends them again", count(r.Outbox.Parked, "row", "rows"), th.MaxParked)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/status"
@@ -112,6 +113,52 @@ func TestThresholds(t *testing.T) {
 		}
 		if r.OK != tc.ok {
 			t.Errorf("%s: OK %v, problems %q", tc.name, r.OK, r.Problems)
+		}
+	}
+}
+
+// Scheduled messages: rows due later are counted and change nothing else (not pending, not a
+// problem, however many); a row overdue for longer than MaxScheduledOverdue is a problem that
+// names it and says to start or upgrade a relay.
+func TestScheduled(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("outbox_scheduled")+` (event_id, topic, key_hash, payload, due_at)
+		SELECT gen_random_uuid(), 'reminders', g, 'x', now() + interval '1 day' FROM generate_series(1, 20000) g`); err != nil {
+		t.Fatal(err)
+	}
+	th := status.DefaultThresholds()
+	r, err := status.Read(ctx, db.Pool, db.Schema, th)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := r.Scheduled
+	if !r.OK || r.Outbox.Pending != 0 || r.Outbox.OldestAgeSeconds != 0 || s.RowsExact || s.Rows <= 10_000 || s.Overdue != 0 ||
+		!s.OverdueExact || s.OldestOverdueSeconds != 0 || s.NextDue == nil || time.Until(*s.NextDue) < 23*time.Hour {
+		t.Fatalf("20k rows due tomorrow: %+v, problems %q", s, r.Problems)
+	}
+
+	const late = "0190b5a0-0000-7000-8000-0000000000aa"
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("outbox_scheduled")+` (event_id, topic, key_hash, payload, due_at)
+		VALUES ($1, 'reminders', 1, 'x', now() - interval '2 minutes'), (gen_random_uuid(), 'reminders', 2, 'x', now() - interval '1 second')`, late); err != nil {
+		t.Fatal(err)
+	}
+	if r, err = status.Read(ctx, db.Pool, db.Schema, th); err != nil {
+		t.Fatal(err)
+	}
+	s = r.Scheduled
+	if r.OK || s.Overdue != 1 || s.OldestOverdueEventID != late || s.OldestOverdueSeconds < 119 || s.NextDue == nil || time.Since(*s.NextDue) < 119*time.Second {
+		t.Errorf("a row 2 minutes overdue: %+v", s)
+	}
+	if all := strings.Join(r.Problems, "\n"); len(r.Problems) != 1 || !strings.Contains(all, "1 scheduled message is overdue; the most overdue, event "+late+", was due 2m") ||
+		!strings.Contains(all, "onceflow relay --schema "+db.Schema) {
+		t.Errorf("problems: %q", r.Problems)
+	}
+	for _, lax := range []time.Duration{5 * time.Minute, 0} {
+		th.MaxScheduledOverdue = lax
+		if r, err = status.Read(ctx, db.Pool, db.Schema, th); err != nil || !r.OK {
+			t.Errorf("MaxScheduledOverdue %s: %v, problems %q", lax, err, r.Problems)
 		}
 	}
 }

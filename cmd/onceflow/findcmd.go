@@ -18,14 +18,26 @@ import (
 // foundEvent is where `onceflow outbox find` found an event; --json prints it as is.
 type foundEvent struct {
 	EventID string `json:"event_id"`
-	// Where is "pending" (in the outbox), "parked" (in outbox_parked), "pending+parked"
-	// (replayed copies, or written twice) or "gone": not in either table, so published (a
-	// row leaves the outbox only once the broker acknowledged it) — or never committed.
-	Where   string      `json:"where"`
-	Pending []foundRow  `json:"pending"`
-	Parked  []foundRow  `json:"parked"`
-	Inbox   *foundDedup `json:"inbox,omitempty"`
-	Note    string      `json:"note,omitempty"`
+	// Where is "pending" (in the outbox), "parked" (in outbox_parked), "scheduled" (in
+	// outbox_scheduled, waiting for its due time), several joined by "+" ("pending+parked":
+	// replayed copies, or written twice) or "gone": in none of them, so published (a row
+	// leaves the outbox only once the broker acknowledged it), cancelled while scheduled, or
+	// never committed.
+	Where     string           `json:"where"`
+	Pending   []foundRow       `json:"pending"`
+	Parked    []foundRow       `json:"parked"`
+	Scheduled []foundScheduled `json:"scheduled"`
+	Inbox     *foundDedup      `json:"inbox,omitempty"`
+	Note      string           `json:"note,omitempty"`
+}
+
+// foundScheduled is the event waiting in outbox_scheduled for its due time.
+type foundScheduled struct {
+	Topic     string            `json:"topic"`
+	Key       string            `json:"key"`
+	DueAt     time.Time         `json:"due_at"`
+	CreatedAt time.Time         `json:"created_at"`
+	Metadata  map[string]string `json:"metadata"`
 }
 
 type foundRow struct {
@@ -59,8 +71,9 @@ type foundDedup struct {
 const findSynopsis = `outbox find EVENT_ID [flags]
 
 Tells where an event is: pending in the outbox (with its attempts, last error and the relay
-holding its shard), parked (with the error that parked it), or gone, which means published:
-a row leaves the outbox only after the broker acknowledged it. With --consumer, also whether
+holding its shard), parked (with the error that parked it), scheduled for later (with its due
+time), or gone, which means published (a row leaves the outbox only after the broker
+acknowledged it) or, for a scheduled message, cancelled. With --consumer, also whether
 that consumer's inbox processed it (its dedup row in processed_event). The outbox has no
 index on event_id: on a large backlog the lookup reads the whole table once.`
 
@@ -116,7 +129,7 @@ func (c *cli) outboxFind(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	f := &foundEvent{EventID: found.EventID, Where: found.Where(), Pending: []foundRow{}, Parked: []foundRow{}}
+	f := &foundEvent{EventID: found.EventID, Where: found.Where(), Pending: []foundRow{}, Parked: []foundRow{}, Scheduled: []foundScheduled{}}
 	for _, r := range found.Pending {
 		f.Pending = append(f.Pending, newFoundRow(r.Row, r.ShardLease))
 	}
@@ -125,8 +138,12 @@ func (c *cli) outboxFind(ctx context.Context, args []string) error {
 		row.ParkedAt, row.ParkedBy = &r.ParkedAt, r.ParkedBy
 		f.Parked = append(f.Parked, row)
 	}
+	for _, m := range found.Scheduled {
+		f.Scheduled = append(f.Scheduled, foundScheduled{Topic: m.Topic, Key: m.Key, DueAt: m.DueAt, CreatedAt: m.CreatedAt, Metadata: m.Metadata})
+	}
 	if f.Where == "gone" {
-		f.Note = "not in the outbox nor parked: published (a row is deleted only after the broker acknowledged it), or its transaction never committed"
+		f.Note = "not in the outbox, parked nor scheduled: published (a row is deleted only after the broker acknowledged it), " +
+			"cancelled while scheduled (outbox.CancelTx), or its transaction never committed"
 	}
 	if *consumer != "" {
 		key := *dedupKey
@@ -158,15 +175,20 @@ func (c *cli) outboxFind(ctx context.Context, args []string) error {
 // dedupKey is the inbox's default key of the event: from a row's metadata when one was
 // found (saga messages are keyed by their saga reference), else the key of the event id.
 func (f *foundEvent) dedupKey() string {
-	for _, rows := range [][]foundRow{f.Pending, f.Parked} {
-		for _, r := range rows {
-			msg := message.NewMessage(f.EventID, nil)
-			for k, v := range r.Metadata {
-				msg.Metadata.Set(k, v)
-			}
-			if k, err := inbox.DefaultKey(msg); err == nil {
-				return k
-			}
+	var metas []map[string]string
+	for _, r := range append(append([]foundRow{}, f.Pending...), f.Parked...) {
+		metas = append(metas, r.Metadata)
+	}
+	for _, m := range f.Scheduled {
+		metas = append(metas, m.Metadata)
+	}
+	for _, meta := range metas {
+		msg := message.NewMessage(f.EventID, nil)
+		for k, v := range meta {
+			msg.Metadata.Set(k, v)
+		}
+		if k, err := inbox.DefaultKey(msg); err == nil {
+			return k
 		}
 	}
 	k, _ := inbox.DefaultKey(message.NewMessage(f.EventID, nil))
@@ -196,6 +218,13 @@ func (f *foundEvent) print(c *cli) error {
 			p.f("%d\t%s\t%s\t%s\t%d\t%s\t%s\t%s\n", r.ID, r.Topic, r.Key, fmtTime(r.CreatedAt), r.Attempts, fmtTime(at), r.ParkedBy, oneLine(r.LastError))
 		}
 		p.f("(replay with: onceflow outbox replay --event-id %s)\n", f.EventID)
+	}
+	if len(f.Scheduled) > 0 {
+		p.f("\nSCHEDULED TOPIC\tKEY\tDUE\tWRITTEN\n")
+		for _, m := range f.Scheduled {
+			p.f("%s\t%s\t%s\t%s\n", m.Topic, m.Key, fmtTime(m.DueAt), fmtTime(m.CreatedAt))
+		}
+		p.f("(a relay moves it into the outbox at its due time and publishes it; outbox.CancelTx withdraws it until then)\n")
 	}
 	if d := f.Inbox; d != nil {
 		if d.Processed {

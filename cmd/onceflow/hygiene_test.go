@@ -22,7 +22,7 @@ var everyHelp = [][]string{
 	{"migrate", "-h"}, {"migrate", "--help"}, {"migrate", "up", "-h"}, {"migrate", "status", "--help"},
 	{"relay", "-h"}, {"relay", "--help"},
 	{"outbox", "-h"}, {"outbox", "--help"},
-	{"outbox", "inspect", "-h"}, {"outbox", "parked", "-h"}, {"outbox", "replay", "--help"},
+	{"outbox", "inspect", "-h"}, {"outbox", "parked", "-h"}, {"outbox", "replay", "--help"}, {"outbox", "scheduled", "-h"},
 	{"cleanup", "-h"}, {"cleanup", "--help"},
 	{"topics", "-h"}, {"topics", "--help"}, {"topics", "create", "-h"}, {"topics", "list", "--help"},
 	{"inbox", "-h"}, {"inbox", "poison", "-h"}, {"inbox", "poison", "list", "--help"}, {"inbox", "poison", "delete", "-h"}, {"inbox", "poison", "replay", "-h"},
@@ -253,6 +253,8 @@ func TestUnmigratedSchemaSaysWhatToRun(t *testing.T) {
 	}{
 		{[]string{"outbox", "inspect"}, 1},
 		{[]string{"outbox", "parked"}, 1},
+		{[]string{"outbox", "scheduled"}, 1},
+		{[]string{"outbox", "scheduled", "--count"}, 1},
 		{[]string{"outbox", "replay", "--all"}, 1},
 		{[]string{"outbox", "replay", "--all", "--dry-run"}, 1},
 		{[]string{"cleanup"}, 1},

@@ -36,7 +36,7 @@ var commands = []command{
 	{"relay", "publish the outbox to Kafka (run one or more)", (*cli).runRelay},
 	{"status", "is anything stuck? relays, backlog, parked rows, retention, sagas (exit 4 when stuck)", (*cli).runStatus},
 	{"topics", "create the Kafka topics the outbox publishes to, list them (create|list)", (*cli).runTopics},
-	{"outbox", "inspect pending rows, find one event, list parked rows, replay them (inspect|find|parked|replay)", (*cli).runOutbox},
+	{"outbox", "inspect pending rows, find one event, list and replay parked rows, list scheduled ones (inspect|find|parked|replay|scheduled)", (*cli).runOutbox},
 	{"cleanup", "delete expired inbox dedup rows, HTTP idempotency records and finished sagas in bounded batches (once, or on a schedule)", (*cli).runCleanup},
 	{"inbox", "list the messages a batched consumer gave up on, delete handled ones (poison [delete])", (*cli).runInbox},
 	{"saga", "list sagas, show one, resume a stuck one, compensate a running one, the versions still alive (list|show|retry|compensate|versions)", (*cli).runSaga},

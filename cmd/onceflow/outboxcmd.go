@@ -17,13 +17,16 @@ import (
 	"github.com/onceflow/onceflow/relay"
 )
 
-const outboxSynopsis = `outbox inspect|find|parked|replay [flags]
+const outboxSynopsis = `outbox inspect|find|parked|replay|scheduled [flags]
 
-  inspect  pending rows, failing rows, parked count, shard leases and running relays
-  find     where one event is: pending (attempts, last error), parked, or gone = published
-  parked   rows the broker kept refusing, with the error that got them parked
-  replay   move parked rows back into the outbox (same event id, fresh attempt count);
-           select them with --id, --event-id, --topic, --key or --all`
+  inspect    pending rows, failing rows, parked count, shard leases and running relays
+  find       where one event is: pending (attempts, last error), parked, scheduled (due
+             when), or gone = published
+  parked     rows the broker kept refusing, with the error that got them parked
+  replay     move parked rows back into the outbox (same event id, fresh attempt count);
+             select them with --id, --event-id, --topic, --key or --all
+  scheduled  messages scheduled for later (outbox.DeliverAt), in due order; --count: how
+             many, the next due, the overdue ones and the count by topic`
 
 func (c *cli) runOutbox(ctx context.Context, args []string) error {
 	if len(args) == 0 {
@@ -39,6 +42,8 @@ func (c *cli) runOutbox(ctx context.Context, args []string) error {
 		return c.outboxParked(ctx, args[1:])
 	case "replay":
 		return c.outboxReplay(ctx, args[1:])
+	case "scheduled":
+		return c.outboxScheduled(ctx, args[1:]) // scheduledcmd.go
 	case "-h", "-help", "--help", "help":
 		c.outboxUsage(c.stdout)
 		return flag.ErrHelp

@@ -25,7 +25,8 @@ type statusReport = status.Report
 const statusSynopsis = `status [flags]
 
 One screen for an operator: the relays (id, host, shards held, last heartbeat), the outbox
-backlog and the age of its oldest row, parked rows, rows past retention in each dedup table,
+backlog and the age of its oldest row, parked rows, scheduled messages (how many, the next
+due, the overdue ones), rows past retention in each dedup table,
 sagas by state, overdue saga timers, saga replies parked awaiting an orchestrator with their
 definition version, and inbox messages given up as poison. Exits 4 when something is stuck (see the --max-* thresholds), 0 when
 all is well, 1 when it could not look. --watch refreshes it; --json prints it for scripts
@@ -47,6 +48,7 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	fs.Int64Var(&th.MaxPoison, "max-inbox-poison", 0, "stuck when more inbox messages than this were given up as poison (onceflow inbox poison)")
 	fs.DurationVar(&th.MaxTimerLag, "max-timer-lag", time.Minute, "stuck when a saga timer or operator request (saga retry, compensate) is overdue by more than this: no orchestrator fires them (0: no check)")
 	fs.DurationVar(&th.MaxVersionWait, "max-version-wait", 5*time.Minute, "stuck when a saga reply waits longer than this, parked, for an orchestrator with its saga's definition version: none running has it registered (0: no check)")
+	fs.DurationVar(&th.MaxScheduledOverdue, "max-scheduled-overdue", time.Minute, "stuck when a scheduled message (outbox.DeliverAt) waits longer than this past its due time: no relay moves scheduled messages (0: no check)")
 	fs.DurationVar(&th.MaxReplayWait, "max-replay-wait", time.Minute, "stuck when an inbox replay request (onceflow inbox poison replay) waits longer than this: no process of its consumer applies replays (0: no check)")
 	windowText := fs.String("window", c.envOr("ONCEFLOW_RETENTION_WINDOW", strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s")),
 		"retention window of processed_event and finished sagas, as given to cleanup [ONCEFLOW_RETENTION_WINDOW]")
@@ -65,8 +67,8 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	if th.MaxOldest <= 0 || th.MaxHeartbeat <= 0 {
 		problems = append(problems, errors.New("--max-oldest-age and --max-heartbeat-age must be positive"))
 	}
-	if th.MaxParked < 0 || th.MaxRetention < 0 || th.MaxStuckSagas < 0 || th.MaxSagaAge < 0 || th.MaxPoison < 0 || th.MaxTimerLag < 0 || th.MaxReplayWait < 0 || th.MaxVersionWait < 0 {
-		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age, --max-inbox-poison, --max-timer-lag, --max-replay-wait and --max-version-wait must be 0 or more"))
+	if th.MaxParked < 0 || th.MaxRetention < 0 || th.MaxStuckSagas < 0 || th.MaxSagaAge < 0 || th.MaxPoison < 0 || th.MaxTimerLag < 0 || th.MaxReplayWait < 0 || th.MaxVersionWait < 0 || th.MaxScheduledOverdue < 0 {
+		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age, --max-inbox-poison, --max-timer-lag, --max-replay-wait, --max-version-wait and --max-scheduled-overdue must be 0 or more"))
 	}
 	if fs.NArg() > 0 {
 		problems = append(problems, fmt.Errorf("unexpected arguments %q", fs.Args()))
@@ -133,6 +135,7 @@ func printStatus(w io.Writer, r *statusReport) error {
 		oldest = fmt.Sprintf("%s (id %d)", time.Duration(r.Outbox.OldestAgeSeconds*float64(time.Second)).Round(time.Millisecond), r.Outbox.OldestID)
 	}
 	p.f("\noutbox: %s%d pending, oldest %s; parked: %d\n", approx, r.Outbox.Pending, oldest, r.Outbox.Parked)
+	p.f("scheduled: %s\n", scheduledStatus(r.Scheduled, r.CheckedAt))
 	p.f("shards: %d, %d without a live owner\n", r.Shards, r.ShardsUnowned)
 	if len(r.Relays) > 0 {
 		p.f("\nRELAY\tHOST\tPID\tSHARDS\tLIVE\tLAST HEARTBEAT\n")
@@ -180,6 +183,30 @@ func printStatus(w io.Writer, r *statusReport) error {
 		p.f("no inbox messages given up as poison\n")
 	}
 	return p.flush(tw)
+}
+
+// scheduledStatus is the scheduled line of the report: "none"; how many and the next due; or
+// how many, the overdue ones and the most overdue.
+func scheduledStatus(s status.Scheduled, now time.Time) string {
+	if s.Rows == 0 {
+		return "none"
+	}
+	about, more := "", ""
+	if !s.RowsExact {
+		about = "about "
+	}
+	if !s.OverdueExact {
+		more = " or more"
+	}
+	line := about + plural(int(s.Rows), "message")
+	switch {
+	case s.Overdue > 0:
+		line += fmt.Sprintf(", %d%s overdue, the most by %s (event %s)", s.Overdue, more,
+			time.Duration(s.OldestOverdueSeconds*float64(time.Second)).Round(time.Second), s.OldestOverdueEventID)
+	case s.NextDue != nil:
+		line += fmt.Sprintf(", next due %s (%s), none overdue", fmtTime(*s.NextDue), dueIn(*s.NextDue, now))
+	}
+	return line
 }
 
 func boolInt(b bool) int64 {

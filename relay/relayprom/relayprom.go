@@ -23,6 +23,8 @@ import (
 //	onceflow_relay_pending_rows                 rows waiting in the outbox (sampled; estimate above 10k)
 //	onceflow_relay_oldest_pending_seconds       age of the oldest waiting row (sampled)
 //	onceflow_relay_parked_rows                  rows in outbox_parked (sampled)
+//	onceflow_relay_scheduled_rows               scheduled messages waiting for their due time (sampled; estimate above 10k)
+//	onceflow_relay_scheduled_overdue_rows       scheduled messages due over 5 s ago and not moved (sampled; up to 10k)
 //	onceflow_relay_lease_renewals_total{result} lease rounds; result: ok, failed
 //
 // docs/operations.md lists them with their units and the alerts built on them.
@@ -35,6 +37,8 @@ type Metrics struct {
 	pending     prometheus.Gauge
 	oldest      prometheus.Gauge
 	parkedRows  prometheus.Gauge
+	scheduled   prometheus.Gauge
+	overdue     prometheus.Gauge
 	renewals    *prometheus.CounterVec
 }
 
@@ -81,6 +85,14 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 			Namespace: "onceflow", Subsystem: "relay", Name: "parked_rows",
 			Help: "Rows in outbox_parked waiting for an operator (onceflow outbox parked / replay), sampled every stats interval, counted up to 10000.",
 		}),
+		scheduled: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "onceflow", Subsystem: "relay", Name: "scheduled_rows",
+			Help: "Scheduled messages (outbox.DeliverAt) waiting in outbox_scheduled for their due time, sampled every stats interval: exact up to 10000, above that an estimate (the table's live-tuple statistic). Not part of pending_rows until due.",
+		}),
+		overdue: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: "onceflow", Subsystem: "relay", Name: "scheduled_overdue_rows",
+			Help: "Scheduled messages due more than 5 s ago and still not moved into the outbox, sampled every stats interval, counted up to 10000: above 0 for long, no relay moves scheduled messages.",
+		}),
 		renewals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "onceflow", Subsystem: "relay", Name: "lease_renewals_total",
 			Help: "Lease rounds (renew, acquire, rebalance) by result: ok or failed. Failures past the lease duration stop publishing.",
@@ -91,7 +103,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	}
 	m.renewals.WithLabelValues("ok")
 	m.renewals.WithLabelValues("failed")
-	for _, c := range []prometheus.Collector{m.published, m.publishTime, m.failed, m.parked, m.owned, m.pending, m.oldest, m.parkedRows, m.renewals} {
+	for _, c := range []prometheus.Collector{m.published, m.publishTime, m.failed, m.parked, m.owned, m.pending, m.oldest, m.parkedRows, m.scheduled, m.overdue, m.renewals} {
 		if err := reg.Register(c); err != nil {
 			return nil, err
 		}
@@ -124,6 +136,12 @@ func (m *Metrics) Pending(rows int64, oldest time.Duration) {
 
 // ParkedRows implements relay.Metrics.
 func (m *Metrics) ParkedRows(n int64) { m.parkedRows.Set(float64(n)) }
+
+// ScheduledRows implements relay.Metrics.
+func (m *Metrics) ScheduledRows(rows, overdue int64) {
+	m.scheduled.Set(float64(rows))
+	m.overdue.Set(float64(overdue))
+}
 
 // LeaseRenewal implements relay.Metrics.
 func (m *Metrics) LeaseRenewal(ok bool) {

@@ -25,6 +25,7 @@ func TestMetricsExported(t *testing.T) {
 	m.OwnedShards(21)
 	m.Pending(1234, 90*time.Second)
 	m.ParkedRows(7)
+	m.ScheduledRows(1_000_000, 3)
 	m.LeaseRenewal(true)
 	m.LeaseRenewal(true)
 	m.LeaseRenewal(false)
