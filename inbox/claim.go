@@ -60,7 +60,7 @@ func (ib *Inbox) CheckSchema(ctx context.Context) error {
 // error says how to fix.
 func (ib *Inbox) dbError(what string, err error) error {
 	if pgsql.IsUndefinedTable(err) {
-		return fmt.Errorf("inbox: consumer %q: %s: %w: schema %q has no processed_event table; run `onceflow migrate up --schema %s` (or migrations.Up) before starting consumers: %w",
+		return fmt.Errorf("inbox: consumer %q: %s: %w: schema %q lacks a table of this onceflow version; run `onceflow migrate up --schema %s` (or migrations.Up) before starting consumers: %w",
 			ib.cfg.Consumer, what, migrations.ErrNotMigrated, ib.cfg.Schema, ib.cfg.Schema, err)
 	}
 	if errors.Is(err, ErrNoKey) {

@@ -162,6 +162,7 @@ type Inbox struct {
 	// routerReplays: RouterPlugin was installed, so the Poison middleware's rows get replayed.
 	routerReplays  atomic.Bool
 	warnNoReplayer sync.Once
+	warnNoPoison   sync.Once
 }
 
 // New validates cfg, reporting every problem at once, and returns an Inbox.
@@ -259,6 +260,12 @@ func (ib *Inbox) handle(msg *message.Message, h message.HandlerFunc) ([]*message
 		panic(pe.Value) // rolled back already; keeps unwinding to Recoverer or the router
 	}
 	if messages {
+		if pass == nil && engine.AsRetryLater(me.Err) != nil {
+			ib.warnNoPoison.Do(func() {
+				ib.cfg.Logger.Warn("inbox: a handler returned RetryAfter but the Poison middleware is not installed, so nothing parks the message: " +
+					"it fails as any error and is redelivered in place, holding up its partition; add router.AddMiddleware(ib.Poison, …) outermost and router.AddPlugin(ib.RouterPlugin)")
+			})
+		}
 		return nil, me.Err
 	}
 	// Nothing goes back to the router: the produced messages are in the outbox.

@@ -3,6 +3,7 @@ package inbox_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,7 +17,9 @@ import (
 
 	"github.com/onceflow/onceflow/inbox"
 	"github.com/onceflow/onceflow/inbox/inboxkafka"
+	"github.com/onceflow/onceflow/internal/engine"
 	"github.com/onceflow/onceflow/internal/kafkatest"
+	"github.com/onceflow/onceflow/internal/testutil"
 	"github.com/onceflow/onceflow/outbox"
 )
 
@@ -195,5 +198,28 @@ func TestRetryAfterError(t *testing.T) {
 	}
 	if !inbox.ShouldRetry(middleware.RetryParams{Err: cause}) {
 		t.Error("ShouldRetry does not retry an ordinary error")
+	}
+}
+
+// A router without the Poison middleware cannot park a RetryAfter: the handler's error goes back
+// to the router as any other (redelivered in place), and the inbox says what to install.
+func TestRetryAfterWithoutPoisonWarns(t *testing.T) {
+	t.Parallel()
+	var logs testutil.SyncBuffer
+	f := newFixture(t, func(c *inbox.Config) {
+		c.Logger = slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	})
+	h := f.ib.Middleware(func(*message.Message) ([]*message.Message, error) {
+		return nil, inbox.RetryAfter(errors.New("provider down"), time.Second)
+	})
+	msg := keyed("A", "A1")
+	if _, err := h(msg); engine.AsRetryLater(err) == nil {
+		t.Fatalf("the middleware returned %v; want the handler's RetryAfter", err)
+	}
+	if !strings.Contains(logs.String(), "the Poison middleware is not installed") {
+		t.Errorf("no warning; logs:\n%s", logs.String())
+	}
+	if n := f.count(`SELECT count(*) FROM ` + f.db.Table("inbox_parked")); n != 0 || f.dedupRows() != 0 {
+		t.Errorf("%d parked rows, %d dedup rows: nothing should be kept", n, f.dedupRows())
 	}
 }

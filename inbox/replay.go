@@ -569,7 +569,7 @@ func (ib *Inbox) Poison(h message.HandlerFunc) message.HandlerFunc {
 	// now if it is installed.
 	if !ib.routerReplays.Load() {
 		ib.warnNoReplayer.Do(func() {
-			ib.cfg.Logger.Warn("inbox: the Poison middleware is installed but not the replay plugin: replays of this consumer's poison rows will wait " +
+			ib.cfg.Logger.Warn("inbox: the Poison middleware is installed but not the replay plugin: replays of this consumer's poison rows, and messages parked in its retry lane (RetryAfter), will wait " +
 				"(`onceflow status` reports them); add router.AddPlugin(ib.RouterPlugin)")
 		})
 	}
@@ -657,7 +657,7 @@ func (ib *Inbox) runRouterReplays(r *message.Router, handlers map[string]message
 		return replayTarget{topic: publishTopic, h: handlers[handler]}
 	}
 	// The retry lane drains on a loop of its own: its interval is shorter than the replays'.
-	go engine.RunReplays(ctx, ib.cfg.LaneInterval, ib.cfg.Logger, func(ctx context.Context) (int, error) {
+	go engine.RunEvery(ctx, "draining the retry lane", ib.cfg.LaneInterval, ib.cfg.Logger, func(ctx context.Context) (int, error) {
 		return ib.drainLanes(ctx, rp, names, nil, laneTarget)
 	})
 	engine.RunReplays(ctx, ib.cfg.ReplayInterval, ib.cfg.Logger, func(ctx context.Context) (int, error) {

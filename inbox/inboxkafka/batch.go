@@ -287,7 +287,7 @@ func (c *BatchConsumer) Run(ctx context.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			engine.RunReplays(lctx, d.LaneInterval(), c.log, func(ctx context.Context) (int, error) {
+			engine.RunEvery(lctx, "draining the retry lane", d.LaneInterval(), c.log, func(ctx context.Context) (int, error) {
 				return d.DrainLanes(ctx, c.policy(), c.cfg.Topics)
 			})
 		}()

@@ -197,6 +197,12 @@ type Replayer interface {
 // (the first and every 10th in a row): the loop of a consumer that applies replay requests
 // (inbox.Inbox.RouterPlugin; inboxkafka.BatchConsumer with a Replayer).
 func RunReplays(ctx context.Context, interval time.Duration, log *slog.Logger, apply func(context.Context) (int, error)) {
+	RunEvery(ctx, "applying replay requests", interval, log, apply)
+}
+
+// RunEvery is RunReplays for any periodic work of a consumer (what names it in the log): the
+// retry lane's drain, the replays.
+func RunEvery(ctx context.Context, what string, interval time.Duration, log *slog.Logger, apply func(context.Context) (int, error)) {
 	failures := 0
 	for {
 		_, err := apply(ctx)
@@ -205,7 +211,7 @@ func RunReplays(ctx context.Context, interval time.Duration, log *slog.Logger, a
 		}
 		if err != nil {
 			if failures%10 == 0 {
-				log.Error("onceflow: applying replay requests failed; trying again", "failures", failures+1, "err", err)
+				log.Error("onceflow: "+what+" failed; trying again", "failures", failures+1, "err", err)
 			}
 			failures++
 		} else {
