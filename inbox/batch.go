@@ -135,6 +135,9 @@ type unit struct {
 	claimed bool
 	// behind are the messages parked behind their lane in this transaction (not run).
 	behind []int
+	// noLane: no lane check (a replay: an operator's decision runs at once, ahead of any
+	// message parked in its key's lane).
+	noLane bool
 }
 
 // newUnit reads the messages' dedup keys. A message without a usable key is dropped
@@ -167,7 +170,14 @@ func (u *unit) Apply(ctx context.Context, tx pgx.Tx) ([]int, error) {
 		}
 		return u.keyed, nil
 	}
-	claimed, parked, err := u.ib.claimAndCheckLanes(ctx, tx, u.msgs, u.keys, u.keyed)
+	var claimed []bool
+	var parked map[string]bool
+	var err error
+	if u.noLane {
+		claimed, err = u.ib.ClaimTx(ctx, tx, u.keys...)
+	} else {
+		claimed, parked, err = u.ib.claimAndCheckLanes(ctx, tx, u.msgs, u.keys, u.keyed)
+	}
 	if err != nil {
 		return nil, err
 	}

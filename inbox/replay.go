@@ -440,7 +440,7 @@ type replayProc struct {
 func (p *replayProc) ProcessBatch(ctx context.Context, msgs []*message.Message) error {
 	// The key it was given up under: the replay removes exactly that dedup row, even if
 	// KeyFunc changed since.
-	u := &unit{ib: p.ib, msgs: msgs, topic: p.target.topic, h: p.target.h, set: p.target.set, keys: []string{p.row.key}, keyed: []int{0}}
+	u := &unit{ib: p.ib, msgs: msgs, topic: p.target.topic, h: p.target.h, set: p.target.set, keys: []string{p.row.key}, keyed: []int{0}, noLane: true}
 	res, err := p.ib.runUnit(ctx, u, &replayUnit{unit: u, row: p.row})
 	p.outcome = res.Outcome
 	return err
