@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -22,9 +23,9 @@ import (
 )
 
 // produceKeys sends one message per entry of keys, in that order, to partition 0, each
-// numbered within its key, with the Kafka key set and no partition_key metadata (a producer
+// numbered within its key (next: the numbers used so far, updated), with the Kafka key set and no partition_key metadata (a producer
 // other than the relay): the batched consumer's lane key is then the Kafka key.
-func (f *bfix) produceKeys(keys ...string) []produced {
+func (f *bfix) produceKeys(next map[string]int, keys ...string) []produced {
 	f.t.Helper()
 	cl, err := kgo.NewClient(kgo.SeedBrokers(f.brokers...), kgo.DefaultProduceTopic(f.topic), kgo.AllowAutoTopicCreation(),
 		kgo.RecordPartitioner(kgo.ManualPartitioner()))
@@ -34,7 +35,6 @@ func (f *bfix) produceKeys(keys ...string) []produced {
 	defer cl.Close()
 	out := make([]produced, len(keys))
 	recs := make([]*kgo.Record, len(keys))
-	next := map[string]int{}
 	for i, key := range keys {
 		next[key]++
 		out[i] = produced{uuid: outbox.NewUUID(), key: key, seq: next[key]}
@@ -83,7 +83,7 @@ func TestBatchConsumerRetryLane(t *testing.T) {
 		}
 	}
 	keys = append(keys, "A")
-	msgs := f.produceKeys(keys...)
+	msgs := f.produceKeys(map[string]int{}, keys...)
 	var (
 		mu      sync.Mutex
 		tries   int
@@ -167,4 +167,39 @@ func TestBatchConsumerKilledWhileAKeyIsParked(t *testing.T) {
 	if n := f.count(`SELECT count(*) FROM ` + db.Table("inbox_parked")); n != 0 {
 		t.Errorf("%d rows still parked", n)
 	}
+}
+
+// The lane drains while its key keeps arriving: key A's head asks for later three times
+// (100 ms each) while A's and B's messages keep coming in small produce calls, so drains that
+// empty the lane race with transactions that park behind it. Every message is applied once,
+// each key in order, and nothing stays parked.
+func TestBatchConsumerRetryLaneUnderTraffic(t *testing.T) {
+	t.Parallel()
+	f := newBatchFixture(t, 1)
+	var counters inbox.Counters
+	ib, err := inbox.New(inbox.Config{Pool: f.db.Pool, Schema: f.db.Schema, Consumer: "batch", LaneInterval: 20 * time.Millisecond, Metrics: &counters})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tries atomic.Int32
+	p := ib.Batch("", func(msg *message.Message) ([]*message.Message, error) {
+		if msg.Metadata.Get("k") == "A" && msg.Metadata.Get("seq") == "1" && tries.Add(1) <= 3 {
+			return nil, inbox.RetryAfter(errors.New("provider down"), 100*time.Millisecond)
+		}
+		return nil, f.effect(msg)
+	})
+	f.start(kafkatest.Topic("g"), p, nil)
+	var msgs []produced
+	next := map[string]int{}
+	for range 60 {
+		msgs = append(msgs, f.produceKeys(next, "A", "B", "A", "A", "B")...)
+		time.Sleep(15 * time.Millisecond)
+	}
+	f.waitEffects(len(msgs))
+	f.checkOnceInOrder(msgs)
+	waitUntil(t, "the lane empty", func() bool { return f.count(`SELECT count(*) FROM `+f.db.Table("inbox_parked")) == 0 })
+	if n := counters.Snapshot().Parked; n < 5 || tries.Load() != 4 {
+		t.Errorf("%d messages parked, A1 tried %d times: the lane was not exercised", n, tries.Load())
+	}
+	t.Logf("%d messages parked", counters.Snapshot().Parked)
 }
