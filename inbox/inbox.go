@@ -178,20 +178,14 @@ func New(cfg Config) (*Inbox, error) {
 	if cfg.CommitTimeout == 0 {
 		cfg.CommitTimeout = DefaultCommitTimeout
 	}
-	if cfg.ReplayInterval < 0 {
-		problems = append(problems, fmt.Errorf("ReplayInterval is %s; use 0 for the default (%s) or a positive interval", cfg.ReplayInterval, DefaultReplayInterval))
-	} else if cfg.ReplayInterval == 0 {
-		cfg.ReplayInterval = DefaultReplayInterval
-	}
-	if cfg.LaneMaxAttempts < 0 {
-		problems = append(problems, fmt.Errorf("LaneMaxAttempts is %d; use 0 for the default (%d) or a positive number", cfg.LaneMaxAttempts, DefaultLaneMaxAttempts))
-	} else if cfg.LaneMaxAttempts == 0 {
-		cfg.LaneMaxAttempts = DefaultLaneMaxAttempts
-	}
-	if cfg.LaneInterval < 0 {
-		problems = append(problems, fmt.Errorf("LaneInterval is %s; use 0 for the default (%s) or a positive interval", cfg.LaneInterval, DefaultLaneInterval))
-	} else if cfg.LaneInterval == 0 {
-		cfg.LaneInterval = DefaultLaneInterval
+	for _, err := range []error{
+		config.Default("ReplayInterval", &cfg.ReplayInterval, DefaultReplayInterval),
+		config.Default("LaneMaxAttempts", &cfg.LaneMaxAttempts, DefaultLaneMaxAttempts),
+		config.Default("LaneInterval", &cfg.LaneInterval, DefaultLaneInterval),
+	} {
+		if err != nil {
+			problems = append(problems, err)
+		}
 	}
 	if cfg.LaneKey == nil {
 		cfg.LaneKey = defaultLaneKey

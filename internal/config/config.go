@@ -3,7 +3,11 @@
 // package exports under the name ConfigError.
 package config
 
-import "strings"
+import (
+	"fmt"
+	"strings"
+	"time"
+)
 
 // Error lists every problem of one configuration, so all of them can be fixed at once.
 type Error struct {
@@ -37,4 +41,17 @@ func Check(scope string, problems ...error) error {
 		return nil
 	}
 	return &Error{Scope: scope, Problems: ps}
+}
+
+// Default sets *v to def when it is zero and reports a problem, naming the field, when it is
+// negative: the rule of every optional count and interval of onceflow's configs (0 means the
+// default; a negative value is a mistake, never a silent default).
+func Default[T int | time.Duration](field string, v *T, def T) error {
+	switch {
+	case *v < 0:
+		return fmt.Errorf("%s is %v; use 0 for the default (%v) or a positive value", field, *v, def)
+	case *v == 0:
+		*v = def
+	}
+	return nil
 }
