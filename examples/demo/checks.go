@@ -75,6 +75,14 @@ func (s *shop) check(ctx context.Context, o options, lost int) ([]row, error) {
 	if err != nil {
 		return nil, fmt.Errorf("invariant query: %w", err)
 	}
+	rem, err := s.checkReminders(ctx, o)
+	if err != nil {
+		return nil, err
+	}
+	later, err := s.checkRetryLater(ctx, o)
+	if err != nil {
+		return nil, err
+	}
 	c, tp := s.client, s.topics
 	accepted := c.accepted.Load()
 	inj := func(topics ...string) int64 {
@@ -117,6 +125,8 @@ func (s *shop) check(ctx context.Context, o options, lost int) ([]row, error) {
 			fmt.Sprintf("%d local runs, %d failed; %d commands on orders.place/confirm/cancel", s.orders.counters.get("local_steps"),
 				s.orders.counters.get("local_step_failures"), selfSent),
 			s.orders.counters.get("local_steps") >= v.orders+v.completed+v.compensated && s.orders.counters.get("local_step_failures") == 0 && selfSent == 0},
+		rem,
+		later,
 		{"outboxes drained (orders, inventory, payments)", fmt.Sprintf("%d rows left, %d parked", v.outbox, v.parked), v.outbox == 0 && v.parked == 0},
 		{"duplicates absorbed, by barrier:", "", true},
 		{"  HTTP Idempotency-Key (stored response replayed)", fmt.Sprintf("%d replays", s.orders.counters.get("http_replayed")), s.orders.counters.get("http_replayed") > 0},
@@ -124,7 +134,7 @@ func (s *shop) check(ctx context.Context, o options, lost int) ([]row, error) {
 		absorbed("saga barrier, inventory", s.inventory.counters.get("barrier_duplicates"), inj(tp.Reserve, tp.Release), ""),
 		{"  saga barrier, payments", fmt.Sprintf("%d absorbed, %d injected (its counters die with each SIGKILL)", paymentsDup, inj(tp.Charge, tp.Refund)),
 			inj(tp.Charge, tp.Refund) == 0 || paymentsDup > 0},
-		absorbed("projection inbox (processed_event)", s.projection.counters.get("inbox_duplicates"), inj(tp.OrderEvents), ""),
+		absorbed("projection inbox (processed_event)", s.projection.counters.get("inbox_duplicates"), inj(tp.OrderEvents, tp.Reminders), ""),
 		{"  payment provider idempotency key", fmt.Sprintf("%d repeated charges answered with the first", v.providerReplays), v.providerReplays >= int64(lost)},
 		{"  UNIQUE (payment_provider, external_payment_id)", fmt.Sprintf("%d caught, of %d charges redelivered without dedup rows",
 			s.payments.counters.get("unique_constraint_hits"), lost), s.payments.counters.get("unique_constraint_hits") >= int64(lost) && lost == o.lostDedup},
@@ -133,6 +143,73 @@ func (s *shop) check(ctx context.Context, o options, lost int) ([]row, error) {
 			s.relays["orders"].kills == 1 && s.payments.kills == 1 && s.relays["orders"].restarts == 1 && s.payments.restarts == 1},
 	}
 	return rows, nil
+}
+
+// checkReminders: every order scheduled a reminder with its own transaction; a confirmed
+// order's was received once, never before its time; a cancelled order's was withdrawn in the
+// cancellation's transaction (never received), or reported too late there, once it was due
+// (received once). How many are too late depends on how far the sagas lag behind the orders.
+func (s *shop) checkReminders(ctx context.Context, o options) (row, error) {
+	orders, rem := t(s.orders, "orders"), t(s.projection, "order_reminder")
+	var v struct {
+		confirmed, confirmedOnce, twice, early, cancelled, withdrawn, tooLate, scheduled int64
+		earliest, latest                                                                 float64
+	}
+	err := s.pool.QueryRow(ctx, `SELECT
+		(SELECT count(*) FROM `+orders+` WHERE status = 'confirmed'),
+		(SELECT count(*) FROM `+orders+` o JOIN `+rem+` r ON r.order_id = o.id::text WHERE o.status = 'confirmed' AND r.reminders = 1),
+		(SELECT count(*) FROM `+rem+` WHERE reminders > 1),
+		-- before its time: its order's transaction time plus the delay, on the database's clock
+		(SELECT count(*) FROM `+orders+` o JOIN `+rem+` r ON r.order_id = o.id::text
+			WHERE r.received_at < o.created_at + $1 * interval '1 microsecond'),
+		(SELECT count(*) FROM `+orders+` WHERE status = 'cancelled'),
+		(SELECT count(*) FROM `+orders+` o WHERE o.status = 'cancelled' AND o.reminder = 'withdrawn'
+			AND NOT EXISTS (SELECT FROM `+rem+` r WHERE r.order_id = o.id::text)),
+		-- too late: found gone when it was due (so moved to be published), and received once
+		(SELECT count(*) FROM `+orders+` o JOIN `+rem+` r ON r.order_id = o.id::text
+			WHERE o.status = 'cancelled' AND o.reminder = 'too late' AND r.reminders = 1
+				AND o.reminder_cancel >= o.created_at + $1 * interval '1 microsecond'),
+		(SELECT count(*) FROM `+t(s.orders, "outbox_scheduled")+`),
+		(SELECT coalesce(extract(epoch FROM min(r.received_at - o.created_at)), 0) FROM `+orders+` o JOIN `+rem+` r ON r.order_id = o.id::text),
+		(SELECT coalesce(extract(epoch FROM max(r.received_at - o.created_at)), 0) FROM `+orders+` o JOIN `+rem+` r ON r.order_id = o.id::text)`, o.remindAfter.Microseconds()).
+		Scan(&v.confirmed, &v.confirmedOnce, &v.twice, &v.early, &v.cancelled, &v.withdrawn, &v.tooLate, &v.scheduled, &v.earliest, &v.latest)
+	if err != nil {
+		return row{}, fmt.Errorf("reminders query: %w", err)
+	}
+	return row{"reminders: one per confirmed order, none early, cancelled ones withdrawn",
+		fmt.Sprintf("%d/%d once (%d twice), %d before due (due %s after the order, received %.1f–%.1fs after); cancelled %d: %d withdrawn, %d too late; %d waiting",
+			v.confirmedOnce, v.confirmed, v.twice, v.early, o.remindAfter, v.earliest, v.latest, v.cancelled, v.withdrawn, v.tooLate, v.scheduled),
+		v.confirmed > 0 && v.confirmedOnce == v.confirmed && v.twice == 0 && v.early == 0 &&
+			v.withdrawn+v.tooLate == v.cancelled && v.scheduled == 0}, nil
+}
+
+// checkRetryLater: the charges the provider refused while it was down were answered as retries
+// carrying the charge's wait (inbox.RetryAfter), re-sent by the orchestrator no sooner, and
+// their orders settled as if nothing had happened: charged and confirmed, or declined.
+func (s *shop) checkRetryLater(ctx context.Context, o options) (row, error) {
+	var refused, retries, retried, completed, declined, early int64
+	var firstResend float64
+	err := s.pool.QueryRow(ctx, `WITH r AS (
+			SELECT g.id, g.state, (rp->>'at')::timestamptz AS at,
+				(SELECT min((c->>'at')::timestamptz) FROM jsonb_array_elements(st->'sent') c
+					WHERE c->>'phase' = 'action' AND (c->>'attempt')::int = (rp->>'attempt')::int + 1) AS resent_at
+			FROM `+t(s.orders, "saga")+` g, jsonb_array_elements(g.steps) st, jsonb_array_elements(coalesce(st->'replies', '[]')) rp
+			WHERE st->>'name' = 'charge' AND rp->>'phase' = 'action' AND rp->>'outcome' = 'retry' AND rp->>'reason' LIKE '%unavailable%')
+		SELECT (SELECT coalesce(sum(refused), 0) FROM `+t(s.payments, "fake_provider_outage")+`),
+			count(*), count(DISTINCT r.id),
+			count(DISTINCT r.id) FILTER (WHERE r.state = 'completed' AND o.status = 'confirmed'),
+			count(DISTINCT r.id) FILTER (WHERE r.state = 'compensated' AND o.status = 'cancelled' AND o.reason LIKE '%declined%'),
+			count(*) FILTER (WHERE r.resent_at IS NULL OR r.resent_at < r.at + $1 * interval '1 microsecond'),
+			coalesce(extract(epoch FROM min(r.resent_at - r.at)), 0)
+		FROM r JOIN `+t(s.orders, "orders")+` o ON o.id::text = r.id`, o.retryAfter.Microseconds()).
+		Scan(&refused, &retries, &retried, &completed, &declined, &early, &firstResend)
+	if err != nil {
+		return row{}, fmt.Errorf("retry-later query: %w", err)
+	}
+	return row{"charges retried later (provider unavailable), all settled",
+		fmt.Sprintf("%d outages of %s: %d refused, %d retries on %d orders, re-sent ≥ %s later (%d sooner, first %.2fs); %d/%d settled: %d confirmed, %d declined",
+			s.outages.Load(), o.outage, refused, retries, retried, o.retryAfter, early, firstResend, completed+declined, retried, completed, declined),
+		(o.outage == 0 || retries > 0) && refused >= retries && early == 0 && completed+declined == retried}, nil
 }
 
 // report prints the table and says whether every row holds.

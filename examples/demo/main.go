@@ -1,18 +1,20 @@
 // Command demo runs the example shop end to end and tries to break it: `make demo`.
 //
 //	customers ──POST /orders + Idempotency-Key──▶ orders ──checkout saga──▶ inventory, payments
-//	orders ──OrderCreated/Confirmed/Cancelled──▶ projection
+//	orders ──OrderCreated/Confirmed/Cancelled, OrderReminder (scheduled)──▶ projection
 //
 // Every service is a child process with its own schema, and its own `onceflow relay` child
 // process publishing its outbox to Kafka. The scenario: customers order concurrently; clients
 // retry with the same key (while the first request is in flight, after a dropped connection,
 // after a lost answer) and reuse a key with a different body; a replayer injects duplicate
 // deliveries into every topic; the orders relay and the payments service are SIGKILLed
-// mid-stream and restarted; one customer goes over his limit and is declined, a scarce
-// product runs out, and those sagas compensate. At the end, dedup rows of a few finished
-// charges are deleted (as an early retention cleanup would) and the charges redelivered, to
-// show the payment's second barrier. Then it prints a table of invariants and exits non-zero
-// if one fails.
+// mid-stream and restarted; the payment provider has three short outages, during which the
+// charges ask to be retried later (inbox.RetryAfter); one customer goes over his limit and is
+// declined, a scarce product runs out, and those sagas compensate. Every order schedules a
+// reminder (outbox.DeliverAfter) that its cancellation withdraws (outbox's CancelTx). At the
+// end, dedup rows of a few finished charges are deleted (as an early retention cleanup would)
+// and the charges redelivered, to show the payment's second barrier. Then it prints a table
+// of invariants and exits non-zero if one fails.
 //
 // With nothing configured it starts a throwaway PostgreSQL and an in-process Kafka (kfake);
 // with DATABASE_URL / KAFKA_BROKERS set it uses those (in schemas and topics of its own).
@@ -32,6 +34,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -52,6 +55,9 @@ type options struct {
 	replay            float64
 	limit             int64
 	lostDedup         int
+	remindAfter       time.Duration
+	outage            time.Duration
+	retryAfter        time.Duration
 	timeout           time.Duration
 }
 
@@ -63,6 +69,9 @@ func main() {
 	flag.Float64Var(&o.replay, "replay", 0.08, "share of Kafka records re-delivered as duplicates")
 	flag.Int64Var(&o.limit, "limit", 100_000, "what a customer may spend at the payment provider, in cents")
 	flag.IntVar(&o.lostDedup, "lost-dedup", 5, "finished charges redelivered after their dedup rows were deleted")
+	flag.DurationVar(&o.remindAfter, "remind-after", 2*time.Second, "when an order's reminder (a scheduled message) is due, after the order")
+	flag.DurationVar(&o.outage, "outage", 600*time.Millisecond, "how long each of the payment provider's three outages lasts (0: none)")
+	flag.DurationVar(&o.retryAfter, "retry-after", 750*time.Millisecond, "the wait a charge refused by the provider asks for (inbox.RetryAfter)")
 	flag.DurationVar(&o.timeout, "timeout", 50*time.Second, "give up if the shop has not settled by then")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -93,6 +102,7 @@ type shop struct {
 	client                                  *client
 	rep                                     *replayer
 	start                                   time.Time
+	outages                                 atomic.Int64 // the payment provider's, injected
 }
 
 func (s *shop) services() []*svc { return []*svc{s.orders, s.inventory, s.payments, s.projection} }
@@ -174,13 +184,13 @@ func run(ctx context.Context, o options) (bool, error) {
 	}
 	// -wait-in-flight 0: a retry that arrives while its first request runs is answered 409
 	// (request-in-flight) instead of waiting, so the demo can count them.
-	if s.orders, err = newSvc("orders", "-wait-in-flight", "0"); err != nil {
+	if s.orders, err = newSvc("orders", "-wait-in-flight", "0", "-remind-after", o.remindAfter.String()); err != nil {
 		return false, err
 	}
 	if s.inventory, err = newSvc("inventory"); err != nil {
 		return false, err
 	}
-	if s.payments, err = newSvc("payments", "-limit", fmt.Sprint(o.limit)); err != nil {
+	if s.payments, err = newSvc("payments", "-limit", fmt.Sprint(o.limit), "-retry-after", o.retryAfter.String()); err != nil {
 		return false, err
 	}
 	if s.projection, err = newSvc("projection"); err != nil {
@@ -235,6 +245,12 @@ func run(ctx context.Context, o options) (bool, error) {
 		{at: total * 30 / 100, do: func() error { return s.restart(ctx, s.relays["orders"], nil) }},
 		{at: total * 55 / 100, do: func() error { return s.restart(ctx, s.payments.proc, s.payments) }},
 	}
+	octx, stopOutages := context.WithCancel(ctx)
+	var outages sync.WaitGroup
+	defer func() { stopOutages(); outages.Wait() }() // on an early return too
+	if o.outage > 0 {
+		outages.Go(func() { s.providerOutages(octx, total, o.outage) })
+	}
 	if err := s.watch(ctx, deadline, trafficDone, faults); err != nil {
 		return false, err
 	}
@@ -242,6 +258,8 @@ func run(ctx context.Context, o options) (bool, error) {
 	if err := s.settle(ctx, deadline); err != nil {
 		fmt.Println("  ✗", err)
 	}
+	stopOutages()
+	outages.Wait()
 	hits := s.payments.counters.get("unique_constraint_hits")
 	lost, err := s.loseDedup(ctx, o.lostDedup)
 	if err != nil {
@@ -315,6 +333,42 @@ func (s *shop) watch(ctx context.Context, deadline time.Time, trafficDone <-chan
 	}
 }
 
+// providerOutages takes the fake payment provider down for d three times, when it has seen
+// the charges of 15%, 40% and 65% of the orders, and at least two seconds apart: timed by the
+// charges, not by the orders or the clock, so that every outage meets charges in flight
+// however far the sagas lag behind the customers. Meanwhile the provider answers every charge
+// "unavailable" (the outage is a row of its own table, so a payments restart does not end
+// it), and payments asks the saga to retry those charges later. It returns after the third
+// outage or when ctx ends.
+func (s *shop) providerOutages(ctx context.Context, orders int, d time.Duration) {
+	thresholds := []int{orders * 15 / 100, orders * 40 / 100, orders * 65 / 100}
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	var last time.Time
+	for len(thresholds) > 0 {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		var charges int
+		err := s.pool.QueryRow(ctx, `SELECT count(*) FROM `+t(s.payments, "fake_provider_charge")).Scan(&charges)
+		if err != nil || charges < thresholds[0] || time.Since(last) < 2*time.Second {
+			continue
+		}
+		thresholds, last = thresholds[1:], time.Now()
+		if _, err := s.pool.Exec(ctx, `INSERT INTO `+t(s.payments, "fake_provider_outage")+` (down_until)
+			VALUES (now() + $1 * interval '1 microsecond')`, d.Microseconds()); err != nil {
+			if ctx.Err() == nil {
+				fmt.Println("  payment provider outage:", err)
+			}
+			continue
+		}
+		s.outages.Add(1)
+		fmt.Printf("  ✗ the payment provider is down for %s, after %d charges: it answers \"unavailable\"\n", d, charges)
+	}
+}
+
 // restart SIGKILLs p mid-stream and starts it again a second later.
 func (s *shop) restart(ctx context.Context, p *proc, sv *svc) error {
 	if sv != nil {
@@ -339,10 +393,12 @@ func (s *shop) restart(ctx context.Context, p *proc, sv *svc) error {
 }
 
 func (s *shop) progress(ctx context.Context) {
-	var pending, confirmed, cancelled, outboxRows int64
+	var pending, confirmed, cancelled, outboxRows, waiting, reminded int64
 	err := s.pool.QueryRow(ctx, `SELECT
 		count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'confirmed'),
-		count(*) FILTER (WHERE status = 'cancelled') FROM `+t(s.orders, "orders")).Scan(&pending, &confirmed, &cancelled)
+		count(*) FILTER (WHERE status = 'cancelled'),
+		(SELECT count(*) FROM `+t(s.orders, "outbox_scheduled")+`), (SELECT count(*) FROM `+t(s.projection, "order_reminder")+`)
+		FROM `+t(s.orders, "orders")).Scan(&pending, &confirmed, &cancelled, &waiting, &reminded)
 	if err == nil {
 		outboxRows, err = s.outboxRows(ctx)
 	}
@@ -351,9 +407,9 @@ func (s *shop) progress(ctx context.Context) {
 		return
 	}
 	c := s.client
-	fmt.Printf("  %5.1fs  orders %3d  replays %2d  dropped %2d  reused keys %2d │ confirmed %3d  cancelled %3d  running %2d │ outbox rows %3d │ duplicates injected %3d\n",
+	fmt.Printf("  %5.1fs  orders %3d  replays %2d  dropped %2d  reused keys %2d │ confirmed %3d  cancelled %3d  running %2d │ outbox rows %3d │ reminders waiting %3d  sent %3d │ duplicates injected %3d\n",
 		time.Since(s.start).Seconds(), c.accepted.Load(), c.replays.Load(), c.dropped.Load(), c.reuses.Load(),
-		confirmed, cancelled, pending, outboxRows, s.rep.total())
+		confirmed, cancelled, pending, outboxRows, waiting, reminded, s.rep.total())
 }
 
 func (s *shop) outboxRows(ctx context.Context) (int64, error) {
@@ -363,8 +419,9 @@ func (s *shop) outboxRows(ctx context.Context) (int64, error) {
 	return n, err
 }
 
-// settle waits until no order is pending, the outboxes are empty and the services' counters
-// have not moved for a second and a half: every message, duplicates included, was handled.
+// settle waits until no order is pending, the outboxes are empty, every reminder not withdrawn
+// was due, published and received, and the services' counters have not moved for a second and
+// a half: every message, duplicates included, was handled.
 func (s *shop) settle(ctx context.Context, deadline time.Time) error {
 	var prev string
 	stableSince := time.Now()
@@ -372,10 +429,13 @@ func (s *shop) settle(ctx context.Context, deadline time.Time) error {
 		for _, sv := range s.services() {
 			sv.counters.poll(sv.addr)
 		}
-		var pending, rows, projected, orders int64
+		var pending, rows, projected, orders, scheduled, toRemind, reminded int64
 		err := s.pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+t(s.orders, "orders")+` WHERE status = 'pending'),
 			(SELECT count(*) FROM `+t(s.orders, "orders")+`),
-			(SELECT count(*) FROM `+t(s.projection, "order_projection")+` WHERE status <> 'pending')`).Scan(&pending, &orders, &projected)
+			(SELECT count(*) FROM `+t(s.projection, "order_projection")+` WHERE status <> 'pending'),
+			(SELECT count(*) FROM `+t(s.orders, "outbox_scheduled")+`),
+			(SELECT count(*) FROM `+t(s.orders, "orders")+` WHERE reminder IN ('scheduled', 'too late')),
+			(SELECT count(*) FROM `+t(s.projection, "order_reminder")+`)`).Scan(&pending, &orders, &projected, &scheduled, &toRemind, &reminded)
 		if err == nil {
 			rows, err = s.outboxRows(ctx)
 		}
@@ -386,15 +446,17 @@ func (s *shop) settle(ctx context.Context, deadline time.Time) error {
 		for _, sv := range s.services() {
 			fmt.Fprint(&fp, sv.counters.snapshot())
 		}
-		fmt.Fprint(&fp, pending, rows, projected)
+		fmt.Fprint(&fp, pending, rows, projected, scheduled, reminded)
 		if fp.String() != prev {
 			prev, stableSince = fp.String(), time.Now()
 		}
-		if pending == 0 && rows == 0 && projected == orders && time.Since(stableSince) >= 1500*time.Millisecond {
+		if pending == 0 && rows == 0 && projected == orders && scheduled == 0 && reminded >= toRemind &&
+			time.Since(stableSince) >= 1500*time.Millisecond {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("not settled in time: %d orders pending, %d outbox rows", pending, rows)
+			return fmt.Errorf("not settled in time: %d orders pending, %d outbox rows, %d reminders scheduled, %d of %d received",
+				pending, rows, scheduled, reminded, toRemind)
 		}
 		select {
 		case <-ctx.Done():

@@ -15,7 +15,8 @@ func TestMain(m *testing.M) { onceflowtest.Main(m) }
 
 // TestDemo runs a shortened `make demo`, so that the README's first command cannot rot: the
 // four services and three relays as processes, a relay and a participant SIGKILLed, injected
-// duplicates, lost dedup rows, and every invariant checked.
+// duplicates, provider outages (charges retried later), reminders scheduled and withdrawn,
+// lost dedup rows, and every invariant checked.
 func TestDemo(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds five binaries and runs the shop for about 15s")
@@ -34,7 +35,8 @@ func TestDemo(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	ok, err := run(ctx, options{bin: bin, ordersPerCustomer: 10, duration: 3 * time.Second, replay: 0.1,
-		limit: 20_000, lostDedup: 2, timeout: 60 * time.Second})
+		limit: 20_000, lostDedup: 2, remindAfter: 2 * time.Second, outage: 600 * time.Millisecond, retryAfter: 750 * time.Millisecond,
+		timeout: 60 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -28,8 +29,8 @@ type order struct {
 
 // createOrder handles POST /orders behind the idempotency middleware (mw.Require): it runs
 // once per (customer, Idempotency-Key), in the transaction the middleware opened. The order
-// row, the OrderCreated event, the saga's start and the stored response commit together; a
-// retry gets this response back without running the handler.
+// row, the OrderCreated event, the order's scheduled reminder, the saga's start and the stored
+// response commit together; a retry gets this response back without running the handler.
 func (s *service) createOrder(w http.ResponseWriter, r *http.Request) {
 	var req struct {
 		SKU      string `json:"sku"`
@@ -60,14 +61,28 @@ func (s *service) createOrder(w http.ResponseWriter, r *http.Request) {
 	customer, _ := customerID(r)
 	key, _ := idempotency.ParseKey(r.Header.Get(idempotency.HeaderKey)) // the middleware checked it
 	o := order{ID: outbox.NewUUID(), SKU: req.SKU, Quantity: req.Quantity, Amount: price * int64(req.Quantity), Status: "pending"}
-	if _, err := tx.Exec(ctx, `INSERT INTO orders (id, customer_id, idempotency_key, sku, quantity, amount)
-		VALUES ($1, $2, $3, $4, $5, $6)`, o.ID, customer, key, o.SKU, o.Quantity, o.Amount); err != nil {
+	reminder := outbox.SetPartitionKey(outbox.NewMessage(nil), o.ID) // its event id goes on the order row
+	var placedAt time.Time                                           // now(): the transaction's start
+	if err := tx.QueryRow(ctx, `INSERT INTO orders (id, customer_id, idempotency_key, sku, quantity, amount, reminder_id, reminder)
+		VALUES ($1, $2, $3, $4, $5, $6, $7, 'scheduled') RETURNING created_at`, o.ID, customer, key, o.SKU, o.Quantity, o.Amount, reminder.UUID).
+		Scan(&placedAt); err != nil {
 		serverError(w, err)
 		return
 	}
-	ev := checkout.OrderEvent{Type: checkout.OrderCreated, OrderID: o.ID, CustomerID: customer, SKU: o.SKU,
-		Quantity: o.Quantity, Amount: o.Amount, Status: o.Status, Version: 1}
-	if err := s.publish(ctx, tx, ev); err != nil {
+	created, err := orderEvent(checkout.OrderEvent{Type: checkout.OrderCreated, OrderID: o.ID, CustomerID: customer,
+		SKU: o.SKU, Quantity: o.Quantity, Amount: o.Amount, Status: o.Status, Version: 1})
+	if err == nil {
+		err = s.reminder(reminder, checkout.OrderReminder{OrderID: o.ID, CustomerID: customer, DueAt: placedAt.Add(s.remindAfter)})
+	}
+	// OrderCreated and the reminder in one statement (the reminder names its own topic). The
+	// reminder is written now, with the order, and published when due: DeliverAfter counts from
+	// this transaction's start on the database's clock (now(), the order's created_at), so the
+	// due time in its payload is exactly the one the relay waits for. It waits in the
+	// outbox_scheduled table, not in the outbox; cancelling the order withdraws it (finish).
+	if err == nil {
+		err = s.writer.WriteTx(ctx, tx, s.topics.OrderEvents, created, reminder)
+	}
+	if err != nil {
 		serverError(w, err)
 		return
 	}
@@ -76,7 +91,7 @@ func (s *service) createOrder(w http.ResponseWriter, r *http.Request) {
 	// here rather than in a transition of its own after the commit, so the order is placed
 	// with the saga's start, or not at all. The order id is the saga id, so the saga is found
 	// from the order and vice versa.
-	_, err := saga.StartTx(ctx, tx, s.checkout,
+	_, err = saga.StartTx(ctx, tx, s.checkout,
 		Checkout{OrderID: o.ID, CustomerID: customer, SKU: o.SKU, Quantity: o.Quantity, Amount: o.Amount},
 		saga.WithID(o.ID), saga.WithWriter(s.writer), saga.WithMetrics(s.orch.Metrics()), saga.RunLocalSteps())
 	if err != nil {

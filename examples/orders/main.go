@@ -2,10 +2,12 @@
 // idempotent by the Idempotency-Key middleware, and the checkout saga's orchestrator.
 //
 // One transaction per order holds the order row, the stored HTTP response, the OrderCreated
-// event and the saga's start (its local first step and its first command, in the outbox). The
-// relay publishes them; inventory and payments answer the saga's commands; this service
-// confirms or cancels the order in the saga's own transitions (local steps) and publishes the
-// outcome for read models (examples/projection).
+// event, the order's reminder (scheduled: outbox.DeliverAfter) and the saga's start (its local
+// first step and its first command, in the outbox). The relay publishes them, the reminder when
+// it is due; inventory and payments answer the saga's commands; this service confirms or
+// cancels the order in the saga's own transitions (local steps), withdraws a cancelled order's
+// reminder there (outbox's Writer.CancelTx), and publishes the outcome for read models
+// (examples/projection).
 //
 //	go run ./examples/orders -addr 127.0.0.1:8080
 //
@@ -42,13 +44,23 @@ CREATE TABLE IF NOT EXISTS orders (
 	reason          text NOT NULL DEFAULT '',        -- why it was cancelled
 	version         int NOT NULL DEFAULT 1,          -- bumped by every change, sent with the events
 	created_at      timestamptz NOT NULL DEFAULT now(),
-	updated_at      timestamptz NOT NULL DEFAULT now()
-)`
+	updated_at      timestamptz NOT NULL DEFAULT now(),
+	reminder_id     uuid,                            -- the scheduled OrderReminder's event id, to withdraw it
+	reminder        text,                            -- scheduled; withdrawn or too late once cancelled; NULL: none
+	reminder_cancel timestamptz                      -- when the cancellation withdrew it or found it gone
+);
+-- Tables created before the reminders: their orders have none.
+ALTER TABLE orders ADD COLUMN IF NOT EXISTS reminder_id uuid;
+ALTER TABLE orders ADD COLUMN IF NOT EXISTS reminder text;
+ALTER TABLE orders ADD COLUMN IF NOT EXISTS reminder_cancel timestamptz`
 
 func main() {
 	f := platform.RegisterFlags("127.0.0.1:8080", "orders")
 	waitInFlight := flag.Duration("wait-in-flight", 2*time.Second, "how long a retry of a request still running waits for its answer (0: answer 409 at once)")
-	platform.Main("orders", f, func(ctx context.Context, log *slog.Logger) error { return run(ctx, f, *waitInFlight, log) })
+	remindAfter := flag.Duration("remind-after", time.Minute, "when an order's reminder is due, after the order (a real shop: a day)")
+	platform.Main("orders", f, func(ctx context.Context, log *slog.Logger) error {
+		return run(ctx, f, *waitInFlight, *remindAfter, log)
+	})
 }
 
 // service holds what the handlers need.
@@ -60,9 +72,11 @@ type service struct {
 	orch     *saga.Orchestrator
 	admin    *saga.Admin
 	counters *platform.Counter
+	// remindAfter is how long after its order an OrderReminder is due.
+	remindAfter time.Duration
 }
 
-func run(ctx context.Context, f *platform.Flags, waitInFlight time.Duration, log *slog.Logger) error {
+func run(ctx context.Context, f *platform.Flags, waitInFlight, remindAfter time.Duration, log *slog.Logger) error {
 	infra, err := platform.StartInfra(ctx, log)
 	if err != nil {
 		return err
@@ -78,7 +92,7 @@ func run(ctx context.Context, f *platform.Flags, waitInFlight time.Duration, log
 		return err
 	}
 
-	s := &service{pool: pool, topics: topics, counters: &platform.Counter{}}
+	s := &service{pool: pool, topics: topics, counters: &platform.Counter{}, remindAfter: remindAfter}
 	s.checkout = checkoutSaga(topics, s) // its local steps use the service's writer and tables
 	if s.writer, err = outbox.NewWriter(outbox.Config{Schema: f.Schema}); err != nil {
 		return err

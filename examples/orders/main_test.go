@@ -19,9 +19,10 @@ import (
 func TestMain(m *testing.M) { onceflowtest.Main(m) }
 
 // The service as it runs: a process on its own schema that takes one order, answers a retry
-// with the stored response, shows the order to its owner only, and stops on SIGTERM.
+// with the stored response, shows the order to its owner only, publishes the order's reminder
+// when it is due and not before, and stops on SIGTERM.
 func TestServesAnOrderAndStops(t *testing.T) {
-	s := exampletest.Start(t, "github.com/onceflow/onceflow/examples/orders")
+	s := exampletest.Start(t, "github.com/onceflow/onceflow/examples/orders", "-remind-after", "2s")
 	body := `{"sku":"book","quantity":2}`
 	status, hdr, resp := s.Do(t, http.MethodPost, "/orders", body, "X-Customer-ID", "alice", "Idempotency-Key", "k-1")
 	if status != http.StatusCreated {
@@ -45,6 +46,26 @@ func TestServesAnOrderAndStops(t *testing.T) {
 	}
 	if status, _, b := s.Do(t, http.MethodPost, "/orders", body, "Idempotency-Key", "k-2"); status != http.StatusUnauthorized {
 		t.Errorf("POST without X-Customer-ID: %d %s, want 401", status, b)
+	}
+
+	// The reminder was written with the order, scheduled (outbox_scheduled, not the outbox),
+	// and is published once due: 2 s after the order's transaction began.
+	ctx := t.Context()
+	var scheduled int
+	var placedAt time.Time
+	err := s.DB.Pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM `+s.Table("outbox_scheduled")+` q JOIN `+s.Table("orders")+` o
+		ON o.reminder_id = q.event_id AND q.due_at = o.created_at + interval '2 seconds'), (SELECT created_at FROM `+s.Table("orders")+`)`).
+		Scan(&scheduled, &placedAt)
+	if err != nil || scheduled != 1 {
+		t.Fatalf("%d reminders scheduled for the order (err %v), want 1, due 2s after it", scheduled, err)
+	}
+	rec := s.Await(t, checkout.NewTopics(s.Prefix).Reminders, map[string]string{"type": "OrderReminder"})
+	var r checkout.OrderReminder
+	if err := json.Unmarshal(rec.Value, &r); err != nil || r.OrderID != o.ID || r.CustomerID != "alice" || !r.DueAt.Equal(placedAt.Add(2*time.Second)) {
+		t.Fatalf("reminder %s (err %v), want order %s of alice, due %s", rec.Value, err, o.ID, placedAt.Add(2*time.Second))
+	}
+	if early := r.DueAt.Sub(rec.Timestamp); early > 100*time.Millisecond { // the broker's clock is this machine's too
+		t.Errorf("the reminder was published %s before it was due", early)
 	}
 	s.Stop(t)
 }
@@ -147,9 +168,30 @@ func TestFinishesSagasOfBothVersions(t *testing.T) {
 			t.Errorf("order %s: %s (%q), saga version %d %s; want %s (%q), version %d", w.id, status, reason, version, state, w.status, w.reason, w.version)
 		}
 	}
+	// Version 2's cancellation withdrew the order's reminder in its transaction (due in a
+	// minute: still waiting); the confirmed order's is still scheduled. Version 1's orders were
+	// written without one.
+	for i, want := range []struct{ reminder, scheduled string }{{"scheduled", "1"}, {"withdrawn", "0"}, {"", "0"}, {"", "0"}} {
+		var reminder, scheduled *string
+		err := s.DB.Pool.QueryRow(ctx, `SELECT reminder, (SELECT count(*)::text FROM `+s.Table("outbox_scheduled")+` q WHERE q.event_id = o.reminder_id)
+			FROM `+s.Table("orders")+` o WHERE id = $1`, wants[i].id).Scan(&reminder, &scheduled)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := deref(reminder) + "/" + deref(scheduled); got != want.reminder+"/"+want.scheduled {
+			t.Errorf("order %s (%s): reminder %s, want %s/%s", wants[i].id, wants[i].status, got, want.reminder, want.scheduled)
+		}
+	}
 	// Version 1 confirmed through a command to the service itself; version 2 sent none.
 	if r := s.Await(t, topics.ConfirmOrder, map[string]string{outbox.MetadataSagaID: wants[2].id}); r == nil {
 		t.Error("no version-1 confirm command")
 	}
 	s.Stop(t)
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
 }

@@ -5,7 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"time"
 
+	"github.com/ThreeDotsLabs/watermill/message"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/onceflow/onceflow/examples/internal/checkout"
@@ -27,6 +30,18 @@ type Checkout struct {
 
 // checkoutVersion is the checkout definition new orders start on (see checkoutSaga).
 const checkoutVersion = 2
+
+// The charge step's retry budget. A re-send waits the longer of the participant's wait (the
+// provider's, through inbox.RetryAfter) and the backoff, which doubles from chargeBackoff
+// (saga.MaxBackoff at most): kept short so that the provider's wait sets the pace. Eight
+// attempts span about half a minute of a provider that keeps answering "unavailable" before
+// the saga compensates (stock released, order cancelled, "after 8 attempts" in its reason).
+// Only re-sends read these: a saga already running takes them up at its next retry, so
+// tuning them needs no new definition version.
+const (
+	chargeAttempts = 8
+	chargeBackoff  = 250 * time.Millisecond
+)
 
 // checkoutSaga is place order → reserve stock → charge → confirm. The orders service's own
 // steps, place-order and confirm, and place-order's compensation (cancel) are local: they run
@@ -56,12 +71,16 @@ func checkoutSaga(t checkout.Topics, s *service) *saga.Definition[Checkout] {
 		// No Timeout on the charge: a timed-out charge would be compensated while the
 		// provider may have charged in an attempt whose transaction never committed, and the
 		// barrier would answer that refund as a null compensation (see examples/payments).
+		// While the provider is unavailable, payments answers inbox.RetryAfter: a retry reply
+		// with the provider's wait, and this step re-sends the charge no sooner, as its next
+		// attempt. chargeAttempts gives an outage room before the order is given up.
 		saga.Step[Checkout]("charge").
 			Send(t.Charge, func(c Checkout) (any, error) {
 				return checkout.Charge{OrderID: c.OrderID, CustomerID: c.CustomerID, Amount: c.Amount}, nil
 			}).
 			OnReply(onCharged).
-			Compensate(t.Refund, func(c Checkout) (any, error) { return checkout.Refund{OrderID: c.OrderID}, nil }),
+			Compensate(t.Refund, func(c Checkout) (any, error) { return checkout.Refund{OrderID: c.OrderID}, nil }).
+			Attempts(chargeAttempts, chargeBackoff),
 		saga.Step[Checkout]("confirm").
 			Local(func(ctx context.Context, tx pgx.Tx, c *Checkout) error {
 				return s.finish(ctx, tx, c.OrderID, "confirmed", "", checkout.OrderConfirmed)
@@ -116,8 +135,9 @@ func onCharged(c *Checkout, r saga.Reply) error {
 }
 
 // cancelLocal is place-order's local compensation (version 2): it cancels the order with the
-// saga's reason, in the orchestrator's transition. The saga row is written after it returns,
-// so the reason comes from saga.LocalRunFrom, not from the row.
+// saga's reason and withdraws its reminder (finish), in the orchestrator's transition. The
+// saga row is written after it returns, so the reason comes from saga.LocalRunFrom, not from
+// the row.
 func (s *service) cancelLocal(ctx context.Context, tx pgx.Tx, c *Checkout) error {
 	reason := "cancelled"
 	if r, ok := saga.LocalRunFrom(ctx); ok && r.Error != "" {
@@ -150,14 +170,18 @@ func (s *service) cancel(ctx context.Context, tx pgx.Tx, cmd checkout.OrderRef) 
 	return s.finish(ctx, tx, cmd.OrderID, "cancelled", reason, checkout.OrderCancelled)
 }
 
+// finish moves a pending order to status (confirmed or cancelled) and publishes eventType; a
+// cancellation also withdraws the order's reminder. All of it in tx: the saga's transition
+// (version 2) or the command's transaction (version 1).
 func (s *service) finish(ctx context.Context, tx pgx.Tx, orderID, status, reason, eventType string) error {
 	var ev checkout.OrderEvent
+	var reminderID *string
 	err := tx.QueryRow(ctx, `
 		UPDATE orders SET status = $2, reason = $3, version = version + 1, updated_at = now()
 		WHERE id = $1 AND status = 'pending'
-		RETURNING id, customer_id, sku, quantity, amount, status, reason, version`,
+		RETURNING id, customer_id, sku, quantity, amount, status, reason, version, reminder_id::text`,
 		orderID, status, reason).
-		Scan(&ev.OrderID, &ev.CustomerID, &ev.SKU, &ev.Quantity, &ev.Amount, &ev.Status, &ev.Reason, &ev.Version)
+		Scan(&ev.OrderID, &ev.CustomerID, &ev.SKU, &ev.Quantity, &ev.Amount, &ev.Status, &ev.Reason, &ev.Version, &reminderID)
 	if errors.Is(err, pgx.ErrNoRows) {
 		// Not pending any more. In the saga's own transition (version 2's local steps) or
 		// behind the barrier (version 1's commands) this does not happen; if it does, an order
@@ -176,18 +200,66 @@ func (s *service) finish(ctx context.Context, tx pgx.Tx, orderID, status, reason
 	if err != nil {
 		return err
 	}
+	if status == "cancelled" && reminderID != nil {
+		if err := s.withdrawReminder(ctx, tx, orderID, *reminderID); err != nil {
+			return err
+		}
+	}
 	ev.Type = eventType
 	return s.publish(ctx, tx, ev)
 }
 
-// publish writes an order event into the outbox, in tx, keyed by the order so that one
-// order's events keep their order.
-func (s *service) publish(ctx context.Context, tx pgx.Tx, ev checkout.OrderEvent) error {
-	payload, err := json.Marshal(ev)
+// reminder makes msg the order's reminder r, for the reminders topic, due s.remindAfter after
+// the transaction that writes it began: the relay publishes it then, unless withdrawReminder
+// withdrew it.
+func (s *service) reminder(msg *message.Message, r checkout.OrderReminder) error {
+	payload, err := json.Marshal(r)
 	if err != nil {
 		return err
 	}
+	msg.Payload = payload
+	msg.Metadata.Set("type", "OrderReminder")
+	outbox.DeliverAfter(outbox.ToTopic(msg, s.topics.Reminders), s.remindAfter)
+	return nil
+}
+
+// withdrawReminder cancels a cancelled order's reminder, in the cancellation's transaction:
+// if that commits, the reminder is never published. Writer.CancelTx (outbox.CancelTx for the
+// default schema) reports false when the reminder is no longer waiting: it was due and
+// already moved to the outbox to be published, and nothing recalls it — too late, which the
+// order row records (its consumer sees the order cancelled by then, or soon after), with the
+// time it was found gone (clock_timestamp(), not the transaction's start: after the move).
+func (s *service) withdrawReminder(ctx context.Context, tx pgx.Tx, orderID, reminderID string) error {
+	withdrawn, err := s.writer.CancelTx(ctx, tx, reminderID)
+	if err != nil {
+		return err
+	}
+	outcome := "withdrawn"
+	if !withdrawn {
+		outcome = "too late"
+		slog.Info("orders: the cancelled order's reminder was already on its way", "order_id", orderID, "event_id", reminderID)
+	}
+	_, err = tx.Exec(ctx, `UPDATE orders SET reminder = $2, reminder_cancel = clock_timestamp() WHERE id = $1`, orderID, outcome)
+	return err
+}
+
+// publish writes an order event into the outbox, in tx.
+func (s *service) publish(ctx context.Context, tx pgx.Tx, ev checkout.OrderEvent) error {
+	msg, err := orderEvent(ev)
+	if err != nil {
+		return err
+	}
+	return s.writer.WriteTx(ctx, tx, s.topics.OrderEvents, msg)
+}
+
+// orderEvent returns ev as a message keyed by the order, so that one order's events keep
+// their order.
+func orderEvent(ev checkout.OrderEvent) (*message.Message, error) {
+	payload, err := json.Marshal(ev)
+	if err != nil {
+		return nil, err
+	}
 	msg := outbox.SetPartitionKey(outbox.NewMessage(payload), ev.OrderID)
 	msg.Metadata.Set("type", ev.Type)
-	return s.writer.WriteTx(ctx, tx, s.topics.OrderEvents, msg)
+	return msg, nil
 }

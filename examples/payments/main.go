@@ -13,6 +13,12 @@
 // A customer over their limit is declined: a business failure (saga.Fail), so the saga
 // compensates (stock released, order cancelled). Nothing was charged, so nothing is refunded.
 //
+// While the provider is down (an outage in its table, fake_provider_outage) it answers
+// "unavailable", and the charge asks to be tried again later: inbox.RetryAfter(err, d). The
+// saga participant answers that at once as a retry carrying the wait, so this service's
+// partition goes on with other orders' charges, and the orchestrator re-sends the charge no
+// sooner, as the step's next attempt.
+//
 //	go run ./examples/payments -addr 127.0.0.1:8082
 //
 // With DATABASE_URL and KAFKA_BROKERS unset it starts an embedded PostgreSQL and Kafka and
@@ -27,6 +33,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -58,16 +65,19 @@ CREATE INDEX IF NOT EXISTS payment_order_id ON payment (order_id);
 func main() {
 	f := platform.RegisterFlags("127.0.0.1:8082", "payments")
 	limit := flag.Int64("limit", 100_000, "what the fake provider lets one customer spend, in cents, before it declines")
-	platform.Main("payments", f, func(ctx context.Context, log *slog.Logger) error { return run(ctx, f, *limit, log) })
+	retryAfter := flag.Duration("retry-after", time.Second, "how long a charge the provider refused as unavailable waits before it is sent again")
+	platform.Main("payments", f, func(ctx context.Context, log *slog.Logger) error { return run(ctx, f, *limit, *retryAfter, log) })
 }
 
 type service struct {
 	pool     *pgxpool.Pool
 	provider *provider
 	counters *platform.Counter
+	// retryAfter is the wait a charge asks for while the provider is unavailable.
+	retryAfter time.Duration
 }
 
-func run(ctx context.Context, f *platform.Flags, limit int64, log *slog.Logger) error {
+func run(ctx context.Context, f *platform.Flags, limit int64, retryAfter time.Duration, log *slog.Logger) error {
 	infra, err := platform.StartInfra(ctx, log)
 	if err != nil {
 		return err
@@ -82,7 +92,7 @@ func run(ctx context.Context, f *platform.Flags, limit int64, log *slog.Logger) 
 	if err := platform.CreateTopics(ctx, infra.Brokers, topics.All()...); err != nil {
 		return err
 	}
-	s := &service{pool: pool, provider: &provider{pool: pool, limit: limit}, counters: &platform.Counter{}}
+	s := &service{pool: pool, provider: &provider{pool: pool, limit: limit}, counters: &platform.Counter{}, retryAfter: retryAfter}
 
 	sagaCounters := &saga.Counters{}
 	part, err := saga.NewParticipant(saga.ParticipantConfig{Pool: pool, Schema: f.Schema, Consumer: "payments",
@@ -133,11 +143,18 @@ func run(ctx context.Context, f *platform.Flags, limit int64, log *slog.Logger) 
 // order id) and the step. Every attempt and every redelivery of the step sends the same key.
 func chargeKey(orderID string) string { return "saga:" + orderID + ":charge" }
 
-// charge is the saga's charge step. An error from the provider fails the message, which is
-// redelivered and sends the same key again: with money, an unknown outcome is retried, never
-// given up on, so the provider's answer decides.
+// charge is the saga's charge step. While the provider is unavailable nothing was charged, and
+// retrying at once would only hold up this partition's other charges: inbox.RetryAfter answers
+// the saga "retry, not before s.retryAfter", and the orchestrator's timer holds the wait (the
+// step's next attempt sends the same provider key). Any other error from the provider fails
+// the message, which is redelivered and sends the same key again: with money, an unknown
+// outcome is retried, never given up on, so the provider's answer decides.
 func (s *service) charge(ctx context.Context, tx pgx.Tx, cmd checkout.Charge) (checkout.Charged, error) {
 	res, err := s.provider.Charge(ctx, chargeKey(cmd.OrderID), cmd.CustomerID, cmd.Amount)
+	if errors.Is(err, errUnavailable) {
+		s.counters.Add("provider_unavailable", 1)
+		return checkout.Charged{}, inbox.RetryAfter(fmt.Errorf("provider: %w", err), s.retryAfter)
+	}
 	if err != nil {
 		return checkout.Charged{}, fmt.Errorf("provider: %w", err)
 	}
@@ -201,6 +218,12 @@ func (s *service) createPayment(w http.ResponseWriter, r *http.Request) {
 	customer, _ := customerID(r)
 	key, _ := idempotency.ParseKey(r.Header.Get(idempotency.HeaderKey))
 	res, err := s.provider.Charge(ctx, "http:"+customer+":"+key, customer, req.Amount)
+	if errors.Is(err, errUnavailable) {
+		// 5xx: not stored, so the client's retry with the same key charges then.
+		w.Header().Set("Retry-After", fmt.Sprint(int(max(time.Second, s.retryAfter).Round(time.Second).Seconds())))
+		platform.Problem(w, http.StatusServiceUnavailable, "provider-unavailable", "the payment provider is unavailable; retry later with the same Idempotency-Key", nil)
+		return
+	}
 	if err != nil {
 		serverError(w, err)
 		return

@@ -14,10 +14,10 @@ import (
 func TestMain(m *testing.M) { onceflowtest.Main(m) }
 
 // The service as it runs: a process that takes one direct charge, answers its retry with the
-// stored response, declines a charge over the limit, charges and refunds for a saga, and stops
-// on SIGTERM.
+// stored response, declines a charge over the limit, charges and refunds for a saga, asks for a
+// saga's charge to be retried later while the provider is down, and stops on SIGTERM.
 func TestServesPaymentsAndStops(t *testing.T) {
-	s := exampletest.Start(t, "github.com/onceflow/onceflow/examples/payments", "-limit", "4000")
+	s := exampletest.Start(t, "github.com/onceflow/onceflow/examples/payments", "-limit", "4000", "-retry-after", "750ms")
 	status, _, first := s.Do(t, http.MethodPost, "/payments", `{"amount":700}`, "X-Customer-ID", "alice", "Idempotency-Key", "p-1")
 	if status != http.StatusCreated || !strings.Contains(first, `"external_payment_id":"ch_`) {
 		t.Fatalf("POST /payments: %d %s", status, first)
@@ -57,6 +57,39 @@ func TestServesPaymentsAndStops(t *testing.T) {
 		WHERE p.order_id = 'order-7'`).Scan(&paymentStatus, &requests, &refunded)
 	if err != nil || paymentStatus != "refunded" || requests != 1 || !refunded {
 		t.Fatalf("payment %q, provider requests %d, refunded %v (err %v); want refunded, 1, true", paymentStatus, requests, refunded, err)
+	}
+
+	// The provider goes down. A direct charge gets 503 (not stored: the same key may be sent
+	// again); a saga's charge asks to be retried later (inbox.RetryAfter), answered at once as
+	// a retry carrying the wait, nothing charged. Back up, the step's next attempt charges.
+	ctx := t.Context()
+	if _, err := s.DB.Pool.Exec(ctx, `INSERT INTO `+s.Table("fake_provider_outage")+` (down_until) VALUES (now() + interval '1 hour')`); err != nil {
+		t.Fatal(err)
+	}
+	if status, hdr, b := s.Do(t, http.MethodPost, "/payments", `{"amount":100}`, "X-Customer-ID", "alice", "Idempotency-Key", "p-3"); status != http.StatusServiceUnavailable || hdr.Get("Retry-After") != "1" {
+		t.Fatalf("a direct charge while the provider is down: %d (Retry-After %q) %s, want 503", status, hdr.Get("Retry-After"), b)
+	}
+	later := outbox.SagaRef{ID: "order-8", Step: "charge", Phase: outbox.SagaPhaseAction, Attempt: 1}
+	s.Produce(t, topics.Charge, exampletest.Command(t, later, topics.Replies, checkout.Charge{OrderID: "order-8", CustomerID: "carol", Amount: 900}))
+	reply = s.Await(t, topics.Replies, map[string]string{outbox.MetadataSagaID: "order-8", outbox.MetadataSagaAttempt: "1"})
+	if got, wait, reason := exampletest.Header(reply, outbox.MetadataSagaOutcome), exampletest.Header(reply, outbox.MetadataSagaRetryAfter),
+		exampletest.Header(reply, outbox.MetadataSagaReason); got != outbox.SagaOutcomeRetry || wait != "750ms" || !strings.Contains(reason, "unavailable") {
+		t.Fatalf("charge while the provider is down: outcome %q, retry after %q, reason %q; want retry after 750ms, unavailable", got, wait, reason)
+	}
+	if _, err := s.DB.Pool.Exec(ctx, `UPDATE `+s.Table("fake_provider_outage")+` SET down_until = now()`); err != nil {
+		t.Fatal(err)
+	}
+	later.Attempt = 2
+	s.Produce(t, topics.Charge, exampletest.Command(t, later, topics.Replies, checkout.Charge{OrderID: "order-8", CustomerID: "carol", Amount: 900}))
+	reply = s.Await(t, topics.Replies, map[string]string{outbox.MetadataSagaID: "order-8", outbox.MetadataSagaAttempt: "2"})
+	if got := exampletest.Header(reply, outbox.MetadataSagaOutcome); got != outbox.SagaOutcomeDone {
+		t.Fatalf("the charge's next attempt, the provider back: outcome %q (%s), want done", got, reply.Value)
+	}
+	var refused int
+	err = s.DB.Pool.QueryRow(ctx, `SELECT (SELECT sum(refused) FROM `+s.Table("fake_provider_outage")+`),
+		(SELECT requests FROM `+s.Table("fake_provider_charge")+` WHERE idempotency_key = 'saga:order-8:charge')`).Scan(&refused, &requests)
+	if err != nil || refused != 2 || requests != 1 {
+		t.Fatalf("the provider refused %d requests and got the charge %d times (err %v); want 2 (the direct one and the saga's) and 1", refused, requests, err)
 	}
 	s.Stop(t)
 }

@@ -1,6 +1,7 @@
 // Command projection is a read model of the example shop: it applies the orders service's
-// OrderCreated, OrderConfirmed and OrderCancelled events to an order_projection table, behind
-// the inbox middleware (the dedup row and the writes commit in one transaction).
+// OrderCreated, OrderConfirmed and OrderCancelled events to an order_projection table, and
+// records the orders' reminders (scheduled messages, published when due) in order_reminder,
+// behind the inbox middleware (the dedup row and the writes commit in one transaction).
 //
 // It shows the two kinds of handler side by side:
 //
@@ -49,6 +50,13 @@ CREATE TABLE IF NOT EXISTS order_projection (
 CREATE TABLE IF NOT EXISTS customer_orders (
 	customer_id text PRIMARY KEY,
 	orders      int NOT NULL
+);
+CREATE TABLE IF NOT EXISTS order_reminder (
+	order_id    text PRIMARY KEY,
+	customer_id text NOT NULL,
+	due_at      timestamptz NOT NULL,               -- when the orders service scheduled it for
+	received_at timestamptz NOT NULL DEFAULT now(), -- when it was applied here
+	reminders   int NOT NULL                        -- reminders sent for the order: relative, as customer_orders
 )`
 
 func main() {
@@ -68,7 +76,7 @@ func run(ctx context.Context, f *platform.Flags, log *slog.Logger) error {
 	}
 	defer pool.Close()
 	topics := checkout.NewTopics(f.TopicPrefix)
-	if err := platform.CreateTopics(ctx, infra.Brokers, topics.OrderEvents); err != nil {
+	if err := platform.CreateTopics(ctx, infra.Brokers, topics.OrderEvents, topics.Reminders); err != nil {
 		return err
 	}
 
@@ -86,6 +94,9 @@ func run(ctx context.Context, f *platform.Flags, log *slog.Logger) error {
 	}
 	router.AddMiddleware(ib.Middleware) // innermost: after Retry and Recoverer, so each attempt gets its own transaction
 	if err := f.Consume(router, infra.Brokers, log, "projection.orders", topics.OrderEvents, apply); err != nil {
+		return err
+	}
+	if err := f.Consume(router, infra.Brokers, log, "projection.reminders", topics.Reminders, remind); err != nil {
 		return err
 	}
 
@@ -133,6 +144,24 @@ func apply(msg *message.Message) error {
 	// Not idempotent on its own: without the dedup row, a redelivery counts twice.
 	_, err := tx.Exec(ctx, `INSERT INTO customer_orders AS c (customer_id, orders) VALUES ($1, 1)
 		ON CONFLICT (customer_id) DO UPDATE SET orders = c.orders + 1`, ev.CustomerID)
+	return err
+}
+
+// remind records an order's reminder (the orders service scheduled it with the order; the
+// relay published it when due) as sent: where a real service would e-mail the customer, it
+// counts. Like customer_orders it is a relative update, reminders = reminders + 1, so the
+// inbox's dedup row, in this transaction, is what keeps a redelivered reminder from counting
+// (or mailing) twice.
+func remind(msg *message.Message) error {
+	var r checkout.OrderReminder
+	if err := json.Unmarshal(msg.Payload, &r); err != nil || r.OrderID == "" {
+		slog.Warn("projection: not an order reminder; dropped", "message_uuid", msg.UUID, "err", err)
+		return nil
+	}
+	ctx := msg.Context()
+	_, err := outbox.MustTx(ctx).Exec(ctx, `INSERT INTO order_reminder AS r (order_id, customer_id, due_at, reminders)
+		VALUES ($1, $2, $3, 1)
+		ON CONFLICT (order_id) DO UPDATE SET reminders = r.reminders + 1`, r.OrderID, r.CustomerID, r.DueAt)
 	return err
 }
 

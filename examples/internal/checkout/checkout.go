@@ -4,6 +4,8 @@
 // own tables and logic.
 package checkout
 
+import "time"
+
 // Topics names the Kafka topics of the checkout flow.
 type Topics struct {
 	// Saga commands, sent by the orchestrator (orders) through its outbox.
@@ -16,6 +18,9 @@ type Topics struct {
 	Replies string
 	// OrderEvents carries OrderCreated, OrderConfirmed and OrderCancelled, for read models.
 	OrderEvents string
+	// Reminders carries OrderReminder: scheduled by orders with each order, published when
+	// due, withdrawn if the order is cancelled first; the projection consumes it.
+	Reminders string
 }
 
 // NewTopics returns the topic names, each with prefix in front (empty for the plain names).
@@ -30,12 +35,13 @@ func NewTopics(prefix string) Topics {
 		Refund:       prefix + "payments.refund",
 		Replies:      prefix + "checkout.replies",
 		OrderEvents:  prefix + "orders.events",
+		Reminders:    prefix + "orders.reminders",
 	}
 }
 
 // All returns every topic, for provisioning.
 func (t Topics) All() []string {
-	return []string{t.PlaceOrder, t.CancelOrder, t.ConfirmOrder, t.Reserve, t.Release, t.Charge, t.Refund, t.Replies, t.OrderEvents}
+	return []string{t.PlaceOrder, t.CancelOrder, t.ConfirmOrder, t.Reserve, t.Release, t.Charge, t.Refund, t.Replies, t.OrderEvents, t.Reminders}
 }
 
 // OrderRef is checkout version 1's command to the orders participant: place (a no-op that
@@ -99,6 +105,16 @@ type OrderEvent struct {
 	Status     string `json:"status"`
 	Reason     string `json:"reason,omitempty"`
 	Version    int    `json:"version"`
+}
+
+// OrderReminder is the follow-up the orders service schedules with every order, in the
+// order's own transaction (outbox.DeliverAfter): "how was your order?", due some time after it
+// was placed (a day in a real shop, seconds in the demo). Cancelling the order withdraws it
+// (outbox.CancelTx) unless it was already on its way.
+type OrderReminder struct {
+	OrderID    string    `json:"order_id"`
+	CustomerID string    `json:"customer_id"`
+	DueAt      time.Time `json:"due_at"` // when it is due: the order's transaction time plus the delay
 }
 
 // Product is an entry of the catalogue.
