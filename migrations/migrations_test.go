@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -559,5 +560,21 @@ func TestSagaCommandStepIsCatalogOnly(t *testing.T) {
 	}
 	if recorded != 0 || old != 1 || fresh != 1 {
 		t.Fatalf("after step 0019: %d sagas with a record, audit records without and with a transaction %d and %d; want 0, 1, 1", recorded, old, fresh)
+	}
+}
+
+// The queue tables read from the front of an index are vacuumed by a fixed count of dead rows
+// (0023), not by a share of the rows waiting.
+func TestQueueTablesVacuumByCount(t *testing.T) {
+	ctx := context.Background()
+	db := testdb.New(t) // migrated
+	for _, table := range []string{"outbox_scheduled", "inbox_parked"} {
+		var opts []string
+		if err := db.Pool.QueryRow(ctx, `SELECT coalesce(reloptions, '{}') FROM pg_class WHERE oid = $1::regclass`, db.Schema+"."+table).Scan(&opts); err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Contains(opts, "autovacuum_vacuum_scale_factor=0") || !slices.Contains(opts, "autovacuum_vacuum_threshold=10000") {
+			t.Errorf("%s: reloptions %v", table, opts)
+		}
 	}
 }
