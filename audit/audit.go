@@ -1,9 +1,9 @@
 // Package audit is the operators' audit trail: every operator action — a saga retry,
-// compensation or upgrade request, an outbox replay, an inbox poison replay or deletion, the
-// deletion of an idempotency record — is
-// recorded in the operator_action table (migration 0018) by the Admin call that carries it
-// out, in the same transaction: an action that rolled back leaves no record, one that
-// committed always has one.
+// compensation or upgrade request, an outbox replay, an inbox poison replay or deletion, a
+// release of the inbox's retry lane, the deletion of an idempotency record — is recorded in
+// the operator_action table (migration 0018) by the Admin call that carries it out, in the
+// same transaction: an action that rolled back leaves no record, one that committed always
+// has one.
 //
 // Who acted comes from the context (WithActor): the console puts the authenticated name
 // there, the onceflow CLI "cli:" and the OS user; a service calling the Admin APIs itself
@@ -30,6 +30,9 @@ const (
 	OutboxReplay   = "outbox replay"
 	InboxReplay    = "inbox replay"
 	InboxDelete    = "inbox delete"
+	// InboxRelease makes heads of the inbox's retry lane due now (inbox.Admin.ReleaseTx); its
+	// targets are inbox_parked row ids.
+	InboxRelease = "inbox release"
 	// IdempotencyDelete's target is "<owner> <key>".
 	IdempotencyDelete = "idempotency delete"
 )

@@ -56,7 +56,7 @@ func TestPages(t *testing.T) {
 		{"/ops/outbox/find?event_id=0190b5a0-0000-7000-8000-000000000000", []string{"it was published"}},
 		{"/ops/outbox/parked", []string{s.parkedEvent, "MESSAGE_TOO_LARGE", "relay-a"[:0]}},
 		{"/ops/outbox/replay?topic=payments", []string{`<b>1</b> match: 9001`, "9001", "read-only"}},
-		{"/ops/inbox", []string{"projection", "orders/0@42"}},
+		{"/ops/inbox", []string{"projection", "orders/0@42", `id="retry-lane"`, "No messages are parked in a retry lane."}},
 		{"/ops/inbox?consumer=projection", []string{"orders/0@42"}},
 		{"/ops/inbox/" + strconv.FormatInt(s.poisonID, 10), []string{"orders/0@42", "k-1", "saga_id"}},
 		{"/ops/idempotency?owner=orders-api&key=key-1", []string{"<b>201</b>", "application/json", `&#34;order&#34;: &#34;o-1&#34;`}},
@@ -578,5 +578,99 @@ func TestScheduledOverdue(t *testing.T) {
 	p = b.get(strings.TrimPrefix(html.UnescapeString(next[1]), srv.URL)).expect(t, "second page", http.StatusOK)
 	if n := strings.Count(p.body, "<td>reminders</td>"); n != 10 || strings.Contains(p.body, `id="scheduled-next"`) {
 		t.Errorf("second page: %d rows", n)
+	}
+}
+
+// The retry lane on the inbox page: per consumer the parked messages, keys, longest wait (its
+// key) and next due; the rows key by key (head, then the rows behind), a page at a time, with
+// the consumer filter; the overview counts them and says what is stuck. With actions on, a
+// head is retried now (a row behind has no button, and its release is refused), and every
+// head of a consumer; both are in the audit trail.
+func TestRetryLane(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	var head, behind int64
+	if err := db.Pool.QueryRow(ctx, `INSERT INTO `+db.Table("inbox_parked")+` (consumer, topic, lane, dedup_key, message_uuid, source, payload, attempts, error, due_at, parked_at)
+		VALUES ('billing', 'orders', 'o-1', 'k-1', 'm-head', 'orders/3@10', 'x', 2, $1, now() + interval '10 minutes', now() - interval '2 hours') RETURNING id`,
+		"provider down: "+evilText).Scan(&head); err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Pool.QueryRow(ctx, `INSERT INTO `+db.Table("inbox_parked")+` (consumer, topic, lane, dedup_key, message_uuid, source, payload, parked_at)
+		VALUES ('billing', 'orders', 'o-1', 'k-2', 'm-behind', 'orders/3@11', 'x', now() - interval '1 hour') RETURNING id`).Scan(&behind); err != nil {
+		t.Fatal(err)
+	}
+	// 60 more keys of consumer mailer, one message each, due from 10 minutes ago on, a minute apart:
+	// 49 of them due later.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("inbox_parked")+` (consumer, topic, lane, dedup_key, message_uuid, payload, attempts, error, due_at, parked_at)
+		SELECT 'mailer', 'emails', 'u-' || lpad(g::text, 2, '0'), 'k-m' || g, 'm-' || g, 'x', 1, 'smtp 421', now() - interval '10 minutes' + g * interval '1 minute', now() - interval '20 minutes'
+		FROM generate_series(0, 59) g`); err != nil {
+		t.Fatal(err)
+	}
+	srv, _ := newServer(t, db, false)
+	b := newBrowser(t, srv)
+	b.get("/ops/").expect(t, "overview", http.StatusOK, `id="lane-parked">62</b> in the retry lane`,
+		`key &#34;o-1&#34; (topic orders) of inbox consumer &#34;billing&#34; has waited 2h`, `retry lane was due 10m`)
+	p := b.get("/ops/inbox").expect(t, "inbox page", http.StatusOK, `id="retry-lane"`, `id="lane-summary"`,
+		"<td>2</td><td>1</td><td>2h0m</td>", "orders <b>o-1</b>", "<td>60</td><td>60</td>",
+		`<span class="bad">overdue 10m`, "in 10m", "waits behind its head", "provider down: &lt;script&gt;", `id="lane-next"`)
+	if strings.Contains(p.body, "retry now…") || strings.Contains(p.body, "<script>") {
+		t.Error("a read-only console offers retry now, or shows markup unescaped")
+	}
+	if n := strings.Count(p.body, "<td>head</td>") + strings.Count(p.body, "<td>behind</td>"); n != 50 {
+		t.Errorf("first page: %d rows, want 50", n)
+	}
+	next := regexp.MustCompile(`id="lane-next" href="([^"]+)"`).FindStringSubmatch(p.body)
+	p = b.get(strings.TrimPrefix(html.UnescapeString(next[1]), srv.URL)).expect(t, "second page", http.StatusOK)
+	if n := strings.Count(p.body, "<td>head</td>"); n != 12 || strings.Contains(p.body, `id="lane-next"`) {
+		t.Errorf("second page: %d heads", n)
+	}
+	p = b.get("/ops/inbox?consumer=billing").expect(t, "billing's lane", http.StatusOK, "m-head", "m-behind")
+	if strings.Contains(p.body, "smtp 421") || strings.Index(p.body, "m-head") > strings.Index(p.body, "m-behind") {
+		t.Error("the consumer filter shows another consumer's rows, or the head after the row behind it")
+	}
+	b.get("/ops/inbox?parked_after=nonsense").expect(t, "a bad cursor", http.StatusBadRequest, "parked_after")
+	hid, bid := strconv.FormatInt(head, 10), strconv.FormatInt(behind, 10)
+	b.get("/ops/inbox/parked/"+hid+"/release").expect(t, "read-only confirmation", http.StatusOK, "Retry now makes the message due at once", "read-only")
+
+	srv, logs := newServer(t, db, true)
+	b = newBrowser(t, srv)
+	p = b.get("/ops/inbox?consumer=billing").expect(t, "billing's lane with actions", http.StatusOK,
+		`href="/ops/inbox/parked/`+hid+`/release?consumer=billing">retry now…`, `href="/ops/inbox/parked/release?consumer=billing">retry all now…`)
+	if strings.Contains(p.body, "/inbox/parked/"+bid+"/release") {
+		t.Error("a row behind its head has a retry now button")
+	}
+	conf := b.get("/ops/inbox/parked/"+hid+"/release?consumer=billing").expect(t, "release confirmation", http.StatusOK, "Dry run: <b>1</b> match",
+		`action="/ops/inbox/parked/`+hid+`/release"`)
+	rc := b.get("/ops/inbox/parked/"+bid+"/release").expect(t, "release of a row behind", http.StatusOK, `id="refusal"`, "waits behind row "+hid)
+	if strings.Contains(rc.body, `id="confirm"`) {
+		t.Error("a refused release has a button")
+	}
+	b.post("/ops/inbox/parked/"+bid+"/release", url.Values{"csrf": {conf.csrf(t)}}).expect(t, "POST release of a row behind", http.StatusBadRequest, "waits behind row "+hid)
+	var due bool
+	if err := db.Pool.QueryRow(ctx, `SELECT due_at <= now() FROM `+db.Table("inbox_parked")+` WHERE id = $1`, head).Scan(&due); err != nil || due {
+		t.Fatalf("the dry run released the head: %v %v", due, err)
+	}
+	b.post("/ops/inbox/parked/"+hid+"/release", url.Values{}).expect(t, "POST without the CSRF token", http.StatusForbidden, "CSRF token")
+	res := b.post("/ops/inbox/parked/"+hid+"/release", url.Values{"csrf": {conf.csrf(t)}, "consumer": {"billing"}})
+	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "released=1") {
+		t.Fatalf("POST release: %d %s\n%s", res.status, res.header.Get("Location"), res.body)
+	}
+	b.get(res.header.Get("Location")).expect(t, "after the release", http.StatusOK, `id="released">1 parked messages made due now`)
+	if err := db.Pool.QueryRow(ctx, `SELECT due_at <= now() FROM `+db.Table("inbox_parked")+` WHERE id = $1`, head).Scan(&due); err != nil || !due {
+		t.Fatalf("the head is not due after the release: %v %v", due, err)
+	}
+	b.get("/ops/inbox/parked/"+hid+"/release").expect(t, "a due head's confirmation", http.StatusOK, `id="refusal"`, "due already")
+
+	b.get("/ops/inbox/parked/release").expect(t, "bulk release without a consumer", http.StatusBadRequest, "choose the consumer")
+	bc := b.get("/ops/inbox/parked/release?consumer=mailer").expect(t, "bulk release confirmation", http.StatusOK, "Dry run: <b>49</b> match")
+	res = b.post("/ops/inbox/parked/release", url.Values{"csrf": {bc.csrf(t)}, "consumer": {"mailer"}})
+	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "released=49") {
+		t.Fatalf("POST bulk release: %d %s\n%s", res.status, res.header.Get("Location"), res.body)
+	}
+	b.get("/ops/inbox/parked/release?consumer=mailer").expect(t, "bulk release again", http.StatusOK, `id="refusal"`, "no parked message waiting for a later time")
+	b.get("/ops/audit").expect(t, "audit trail", http.StatusOK, "inbox release", "consumer=mailer", "retry-lane heads made due now: 49", "<td>"+hid+"</td>")
+	if l := logs.String(); !strings.Contains(l, `action="inbox parked release"`) || !strings.Contains(l, "parked_id="+hid) {
+		t.Errorf("action log:\n%s", l)
 	}
 }

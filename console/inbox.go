@@ -24,6 +24,8 @@ type inboxData struct {
 	Replayed  string // how many replays the last action requested
 	DeleteAll string // the bulk delete's confirmation for Consumer
 	ReplayAll string // the bulk replay's confirmation (dry run first) for Consumer
+	Released  string // how many parked messages the last action made due now
+	Lane      laneData
 }
 
 // poisonPageSize is one page of the poison list, newest first, keyset-paginated on id.
@@ -31,6 +33,10 @@ const poisonPageSize = 100
 
 func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) error {
 	consumer, err := param(r, "consumer")
+	if err != nil {
+		return err
+	}
+	parkedAfter, err := param(r, "parked_after")
 	if err != nil {
 		return err
 	}
@@ -48,6 +54,14 @@ func (c *Console) inboxPage(w http.ResponseWriter, r *http.Request) error {
 		DeleteAll: c.link("/inbox/delete") + query("consumer", consumer), ReplayAll: c.link("/inbox/replay") + query("consumer", consumer)}
 	if _, err := strconv.Atoi(v.Replayed); err != nil {
 		v.Replayed = ""
+	}
+	if v.Released = r.URL.Query().Get("released"); v.Released != "" {
+		if _, err := strconv.Atoi(v.Released); err != nil {
+			v.Released = ""
+		}
+	}
+	if v.Lane, err = c.retryLane(r, consumer, parkedAfter); err != nil {
+		return err
 	}
 	if len(list) == poisonPageSize {
 		v.Next = c.link("/inbox") + query("consumer", consumer, "before", strconv.FormatInt(list[len(list)-1].ID, 10))

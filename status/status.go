@@ -1,5 +1,6 @@
 // Package status is onceflow's health read model: one look at a schema (relays and shard
-// leases, the outbox backlog, retention backlogs, sagas, timers, inbox poison) through the
+// leases, the outbox backlog, retention backlogs, sagas, timers, inbox poison, the inbox's
+// retry lane) through the
 // packages' admins, and the problems it shows against thresholds, each with what to do.
 // `onceflow status` prints it and exits 4 on a problem; the console's overview shows it; a
 // service can serve it from a health endpoint.
@@ -19,8 +20,8 @@ import (
 	"github.com/onceflow/onceflow/saga"
 )
 
-// Thresholds decide when a Report shows something stuck; `onceflow status` takes them as something stuck; `onceflow status` takes them as
-// its --max-* flags. DefaultThresholds returns the CLI's defaults.
+// Thresholds decide when a Report shows something stuck; `onceflow status` takes them as its
+// --max-* flags. DefaultThresholds returns the CLI's defaults.
 type Thresholds struct {
 	MaxOldest     time.Duration // oldest pending row older than this
 	MaxParked     int64         // more parked rows than this
@@ -45,13 +46,24 @@ type Thresholds struct {
 	// messages: none runs for the schema, or every one that runs predates scheduled messages.
 	// A running relay moves a message within about a second of its time. 0: no check.
 	MaxScheduledOverdue time.Duration
+	// MaxLaneWait: a key whose messages have waited in an inbox consumer's retry lane
+	// (inbox.RetryAfter) longer than this — its head parked that long ago, none of its later
+	// messages applied since — means its handler keeps asking for later: the provider it
+	// waits for is down, or a message cannot succeed and the lane's attempts are high. 0: no
+	// check.
+	MaxLaneWait time.Duration
+	// MaxLaneLag: a head of a retry lane due longer ago than this and still not applied means
+	// no process of its consumer drains the lane (none runs, or a router without
+	// Inbox.RouterPlugin), or the processes cannot keep up. A running one applies due heads
+	// within its lane interval (1 s by default) plus the handler's time. 0: no check.
+	MaxLaneLag time.Duration
 }
 
 // DefaultThresholds are `onceflow status`'s defaults.
 func DefaultThresholds() Thresholds {
 	return Thresholds{MaxOldest: 5 * time.Minute, MaxHeartbeat: time.Minute, MaxRetention: 100_000,
 		MaxSagaAge: time.Hour, Window: 72 * time.Hour, MaxTimerLag: time.Minute, MaxReplayWait: time.Minute, MaxVersionWait: 5 * time.Minute,
-		MaxScheduledOverdue: time.Minute}
+		MaxScheduledOverdue: time.Minute, MaxLaneWait: time.Hour, MaxLaneLag: 5 * time.Minute}
 }
 
 // Report is one look at a schema; `onceflow status --json` prints it as is.
@@ -80,8 +92,12 @@ type Report struct {
 	Sagas         []SagaCount      `json:"sagas"`
 	// InboxPoison counts the messages batched consumers gave up on (inbox_poison), per
 	// consumer; `onceflow inbox poison` lists them.
-	InboxPoison    []Poison `json:"inbox_poison"`
-	SagaStatesNote string   `json:"sagas_note,omitempty"`
+	InboxPoison []Poison `json:"inbox_poison"`
+	// RetryLane is what waits in each inbox consumer's retry lane (inbox.RetryAfter): messages
+	// parked by their handler, and the later messages of their keys parked behind them; read
+	// with inbox.Admin.ParkedSummary. `onceflow inbox parked` lists them.
+	RetryLane      []RetryLane `json:"retry_lane"`
+	SagaStatesNote string      `json:"sagas_note,omitempty"`
 	// SagasOverAge counts sagas running or compensating for longer than --max-saga-age
 	// (capped, like the retention counts); OldestSaga is the oldest of them.
 	SagasOverAge int64     `json:"sagas_over_age"`
@@ -173,6 +189,28 @@ type Poison struct {
 	OldestRequestSeconds float64 `json:"oldest_request_seconds,omitempty"`
 }
 
+// RetryLane is what waits in one inbox consumer's retry lane.
+type RetryLane struct {
+	Consumer string `json:"consumer"`
+	// Rows counts the parked messages, Keys the keys (lanes) they hold up; each is exact up to
+	// inbox.ParkedCountCap (10000), else that many "or more" (the *_exact fields false).
+	Rows      int64 `json:"rows"`
+	RowsExact bool  `json:"rows_exact"`
+	Keys      int64 `json:"keys"`
+	KeysExact bool  `json:"keys_exact"`
+	// OldestAgeSeconds is how long the longest-waiting key's head has been parked;
+	// OldestTopic and OldestKey name that key ("" when the message has no key), OldestID its
+	// row (`onceflow inbox parked` shows it).
+	OldestAgeSeconds float64 `json:"oldest_age_seconds"`
+	OldestTopic      string  `json:"oldest_topic"`
+	OldestKey        string  `json:"oldest_key"`
+	OldestID         int64   `json:"oldest_id"`
+	// NextDue is when the consumer next applies a head; LagSeconds how long the earliest due
+	// head is past its due time (0 when none is due).
+	NextDue    *time.Time `json:"next_due,omitempty"`
+	LagSeconds float64    `json:"lag_seconds"`
+}
+
 // SagaCount counts the unfinished sagas of one definition in one state.
 type SagaCount struct {
 	Name  string `json:"name"`
@@ -204,6 +242,7 @@ type DB interface {
 // Read takes one look at schema through the packages' admins (relay, inbox, idempotency,
 // saga), each read bounded whatever the backlog: the outbox through relay.Admin.Backlog,
 // the scheduled messages through relay.Admin.ScheduledSummary (counts capped on the due index),
+// the inbox's retry lane through inbox.Admin.ParkedSummary (index ranges, counts capped),
 // retention backlogs as counts capped just above th.MaxRetention on the age indexes, sagas by
 // state over the unfinished states only (retention keeps finished ones by the million), long
 // runners and overdue timers capped at MaxSagasOverAge and MaxOverdueTimers.
@@ -296,6 +335,18 @@ func Read(ctx context.Context, db DB, schema string, th Thresholds) (*Report, er
 		r.InboxPoison[i] = Poison{Consumer: p.Consumer, Count: p.Poison, ReplayRequested: p.ReplayRequested}
 		if p.ReplayRequested > 0 {
 			r.InboxPoison[i].OldestRequestSeconds = p.OldestRequestAge().Seconds()
+		}
+	}
+	lanes, err := inboxes.ParkedSummary(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r.RetryLane = make([]RetryLane, len(lanes))
+	for i, l := range lanes {
+		r.RetryLane[i] = RetryLane{Consumer: l.Consumer, Rows: l.Rows, RowsExact: l.RowsExact, Keys: l.Keys, KeysExact: l.KeysExact,
+			OldestAgeSeconds: l.OldestAge().Seconds(), OldestTopic: l.OldestTopic, OldestKey: l.OldestLane, OldestID: l.OldestID, LagSeconds: l.Lag().Seconds()}
+		if !l.NextDue.IsZero() {
+			r.RetryLane[i].NextDue = &l.NextDue
 		}
 	}
 	parked, err := sagas.ParkedByVersion(ctx, db)
@@ -424,7 +475,34 @@ func (r *Report) check() {
 				p.ReplayRequested, p.Consumer, wait.Round(time.Second), th.MaxReplayWait, p.Consumer)
 		}
 	}
+	for _, l := range r.RetryLane {
+		wait := time.Duration(l.OldestAgeSeconds * float64(time.Second)).Round(time.Second)
+		if th.MaxLaneWait > 0 && wait > th.MaxLaneWait {
+			what := fmt.Sprintf("key %q (topic %s) of inbox consumer %q has waited %s in the retry lane (over %s): its later messages wait behind it",
+				l.OldestKey, l.OldestTopic, l.Consumer, wait, th.MaxLaneWait)
+			if l.OldestKey == "" {
+				what = fmt.Sprintf("a message without a key (topic %s, row %d) of inbox consumer %q has waited %s in the retry lane (over %s)",
+					l.OldestTopic, l.OldestID, l.Consumer, wait, th.MaxLaneWait)
+			}
+			add("%s. The consumer has %s of %s parked: their handler keeps asking for later (inbox.RetryAfter), so the provider it waits for may be down. "+
+				"`onceflow inbox parked --consumer %s` lists them; once the provider is back, `onceflow inbox parked release --consumer %s` retries them now",
+				what, countOrMore(l.Rows, l.RowsExact, "message", "messages"), countOrMore(l.Keys, l.KeysExact, "key", "keys"), l.Consumer, l.Consumer)
+		}
+		if lag := time.Duration(l.LagSeconds * float64(time.Second)).Round(time.Second); th.MaxLaneLag > 0 && lag > th.MaxLaneLag {
+			add("a message of inbox consumer %q's retry lane was due %s ago (over %s) and is still parked: no process of that consumer applies the lane, or they cannot keep up. "+
+				"Start it — a batched consumer (inboxkafka.BatchConsumer) or a router with ib.Poison and router.AddPlugin(ib.RouterPlugin) — or check its logs; "+
+				"`onceflow inbox parked --consumer %s` shows the rows", l.Consumer, lag, th.MaxLaneLag, l.Consumer)
+		}
+	}
 	r.OK = len(r.Problems) == 0
+}
+
+// countOrMore is count's, or "more than 10000 rows" for a count that stopped one past its cap.
+func countOrMore(n int64, exact bool, one, many string) string {
+	if !exact {
+		return fmt.Sprintf("more than %d %s", n-1, many)
+	}
+	return count(n, one, many)
 }
 
 // count is "1 row", "2 rows".

@@ -162,3 +162,78 @@ func TestScheduled(t *testing.T) {
 		}
 	}
 }
+
+// The retry lane: parked messages are counted per consumer, with their keys, the oldest and the
+// next due; a key waiting longer than MaxLaneWait is a problem that names it and says what
+// lists and retries them; a head due longer ago than MaxLaneLag says no process applies the
+// lane. Zero thresholds switch the checks off.
+func TestRetryLane(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t)
+	th := status.DefaultThresholds()
+	park := func(consumer, lane, due, parked string) {
+		t.Helper()
+		var laneArg *string
+		if lane != "" {
+			laneArg = &lane
+		}
+		if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("inbox_parked")+` (consumer, topic, lane, dedup_key, message_uuid, payload, error, due_at, parked_at)
+			VALUES ($1, 'orders', $2, gen_random_uuid()::text, gen_random_uuid()::text, 'x', 'provider down', now() + $3::interval, now() - $4::interval)`,
+			consumer, laneArg, due, parked); err != nil {
+			t.Fatal(err)
+		}
+	}
+	park("billing", "o-1", "10 minutes", "20 minutes")
+	park("billing", "o-2", "5 minutes", "5 minutes")
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO `+db.Table("inbox_parked")+` (consumer, topic, lane, dedup_key, message_uuid, payload)
+		VALUES ('billing', 'orders', 'o-1', 'behind', 'm-behind', 'x')`); err != nil {
+		t.Fatal(err)
+	}
+	r, err := status.Read(ctx, db.Pool, db.Schema, th)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !r.OK || len(r.RetryLane) != 1 {
+		t.Fatalf("a young retry lane: %+v, problems %q", r.RetryLane, r.Problems)
+	}
+	l := r.RetryLane[0]
+	if l.Consumer != "billing" || l.Rows != 3 || !l.RowsExact || l.Keys != 2 || !l.KeysExact || l.OldestKey != "o-1" || l.OldestTopic != "orders" ||
+		l.OldestAgeSeconds < 1190 || l.LagSeconds != 0 || l.NextDue == nil || time.Until(*l.NextDue) < 4*time.Minute {
+		t.Errorf("billing's lane: %+v", l)
+	}
+
+	park("billing", "o-9", "-1 minute", "3 hours")
+	park("audit", "", "-10 minutes", "15 minutes")
+	if r, err = status.Read(ctx, db.Pool, db.Schema, th); err != nil {
+		t.Fatal(err)
+	}
+	all := strings.Join(r.Problems, "\n")
+	if r.OK || len(r.Problems) != 2 || len(r.RetryLane) != 2 || r.RetryLane[0].Consumer != "audit" || r.RetryLane[0].LagSeconds < 590 {
+		t.Fatalf("an old key and an unapplied head: %+v, problems:\n%s", r.RetryLane, all)
+	}
+	for _, want := range []string{`key "o-9" (topic orders) of inbox consumer "billing" has waited 3h0m`, "in the retry lane (over 1h0m0s)",
+		"The consumer has 4 messages of 3 keys parked", "provider it waits for may be down", "`onceflow inbox parked --consumer billing`",
+		"`onceflow inbox parked release --consumer billing`",
+		`a message of inbox consumer "audit"'s retry lane was due 10m`, "ago (over 5m0s)", "router.AddPlugin(ib.RouterPlugin)"} {
+		if !strings.Contains(all, want) {
+			t.Errorf("problems lack %q:\n%s", want, all)
+		}
+	}
+	if strings.Contains(all, `"billing"'s retry lane was due`) {
+		t.Errorf("billing's head due a minute ago is reported (under MaxLaneLag):\n%s", all)
+	}
+	th.MaxLaneWait, th.MaxLaneLag = 4*time.Hour, 0
+	if r, err = status.Read(ctx, db.Pool, db.Schema, th); err != nil || !r.OK {
+		t.Errorf("looser thresholds: %v, problems %q", err, r.Problems)
+	}
+	th.MaxLaneWait = 0
+	park("audit", "", "1 minute", "30 hours")
+	if r, err = status.Read(ctx, db.Pool, db.Schema, th); err != nil || !r.OK {
+		t.Errorf("the checks off: %v, problems %q", err, r.Problems)
+	}
+	th.MaxLaneWait = time.Hour
+	if r, err = status.Read(ctx, db.Pool, db.Schema, th); err != nil || !strings.Contains(strings.Join(r.Problems, "\n"), "a message without a key (topic orders, row ") {
+		t.Errorf("a message without a key waiting 30 hours: %v, problems %q", err, r.Problems)
+	}
+}

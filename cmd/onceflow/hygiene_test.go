@@ -26,6 +26,7 @@ var everyHelp = [][]string{
 	{"cleanup", "-h"}, {"cleanup", "--help"},
 	{"topics", "-h"}, {"topics", "--help"}, {"topics", "create", "-h"}, {"topics", "list", "--help"},
 	{"inbox", "-h"}, {"inbox", "poison", "-h"}, {"inbox", "poison", "list", "--help"}, {"inbox", "poison", "delete", "-h"}, {"inbox", "poison", "replay", "-h"},
+	{"inbox", "parked", "-h"}, {"inbox", "parked", "release", "--help"},
 	{"saga", "-h"}, {"saga", "--help"}, {"saga", "list", "-h"}, {"saga", "show", "-h"}, {"saga", "retry", "-h"}, {"saga", "compensate", "--help"},
 	{"saga", "versions", "-h"},
 	{"ui", "-h"}, {"ui", "--help"},
@@ -54,6 +55,7 @@ func TestNoPasswordInOutput(t *testing.T) {
 		{"outbox", "inspect", "--nope"}, {"outbox", "inspect"}, {"outbox", "parked"}, {"outbox", "replay", "--all"},
 		{"cleanup", "--nope"}, {"cleanup", "--batch-size", "x"}, {"cleanup"},
 		{"inbox", "poison"}, {"inbox", "poison", "--nope"}, {"inbox", "poison", "delete", "--id", "1"},
+		{"inbox", "parked"}, {"inbox", "parked", "--count"}, {"inbox", "parked", "release", "--id", "1"},
 		{"saga", "list"}, {"saga", "retry", "--state", "stuck", "--dry-run"}, {"cleanup", "--dry-run"}, {"ui"},
 		{"saga", "versions"}, {"saga", "versions", "--require-registered", "checkout:1"}, {"saga", "versions", "--require-registered", "checkout"},
 	}...)
@@ -169,7 +171,7 @@ func TestHelpOnStdout(t *testing.T) {
 		})
 	}
 	for _, args := range [][]string{{}, {"--nope"}, {"nope"}, {"migrate"}, {"migrate", "up", "--nope"}, {"relay", "--nope"},
-		{"outbox"}, {"outbox", "inspect", "--nope"}, {"cleanup", "--nope"}, {"inbox"}, {"inbox", "poison", "--nope"}} {
+		{"outbox"}, {"outbox", "inspect", "--nope"}, {"cleanup", "--nope"}, {"inbox"}, {"inbox", "poison", "--nope"}, {"inbox", "parked", "--nope"}} {
 		r := runCmd(context.Background(), nil, args...)
 		if r.code != 2 || r.stdout != "" || !strings.Contains(r.stderr, "Usage: onceflow") {
 			t.Errorf("%q: exit %d\nstdout:\n%s\nstderr:\n%s", args, r.code, r.stdout, r.stderr)
@@ -262,6 +264,10 @@ func TestUnmigratedSchemaSaysWhatToRun(t *testing.T) {
 		{[]string{"inbox", "poison"}, 1},
 		{[]string{"inbox", "poison", "delete", "--id", "1"}, 1},
 		{[]string{"inbox", "poison", "replay", "--all"}, 1},
+		{[]string{"inbox", "parked"}, 1},
+		{[]string{"inbox", "parked", "--count"}, 1},
+		{[]string{"inbox", "parked", "release", "--id", "1"}, 1},
+		{[]string{"inbox", "parked", "release", "--consumer", "billing"}, 1},
 		{[]string{"relay", "--kafka-brokers", "127.0.0.1:1"}, 1},
 		{[]string{"saga", "versions", "--require-registered", "checkout:1"}, 1},
 		{[]string{"migrate", "status"}, exitPending},

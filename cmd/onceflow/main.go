@@ -38,7 +38,7 @@ var commands = []command{
 	{"topics", "create the Kafka topics the outbox publishes to, list them (create|list)", (*cli).runTopics},
 	{"outbox", "inspect pending rows, find one event, list and replay parked rows, list scheduled ones (inspect|find|parked|replay|scheduled)", (*cli).runOutbox},
 	{"cleanup", "delete expired inbox dedup rows, HTTP idempotency records and finished sagas in bounded batches (once, or on a schedule)", (*cli).runCleanup},
-	{"inbox", "list the messages a batched consumer gave up on, delete handled ones (poison [delete])", (*cli).runInbox},
+	{"inbox", "list the messages consumers gave up on, replay or delete them (poison [replay|delete]); the retry lane (parked [release])", (*cli).runInbox},
 	{"saga", "list sagas, show one, resume a stuck one, compensate a running one, the versions still alive (list|show|retry|compensate|versions)", (*cli).runSaga},
 	{"ui", "serve the operator console in a browser (read-only unless --actions; a credential unless on loopback)", (*cli).runUI},
 }

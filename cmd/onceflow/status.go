@@ -28,8 +28,9 @@ One screen for an operator: the relays (id, host, shards held, last heartbeat), 
 backlog and the age of its oldest row, parked rows, scheduled messages (how many, the next
 due, the overdue ones), rows past retention in each dedup table,
 sagas by state, overdue saga timers, saga replies parked awaiting an orchestrator with their
-definition version, and inbox messages given up as poison. Exits 4 when something is stuck (see the --max-* thresholds), 0 when
-all is well, 1 when it could not look. --watch refreshes it; --json prints it for scripts
+definition version, inbox messages given up as poison, and what waits in each inbox consumer's
+retry lane (parked messages, their keys, the longest wait, the next due). Exits 4 when
+something is stuck (see the --max-* thresholds), 0 when all is well, 1 when it could not look. --watch refreshes it; --json prints it for scripts
 (one object per refresh).`
 
 func (c *cli) runStatus(ctx context.Context, args []string) error {
@@ -50,6 +51,8 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	fs.DurationVar(&th.MaxVersionWait, "max-version-wait", 5*time.Minute, "stuck when a saga reply waits longer than this, parked, for an orchestrator with its saga's definition version: none running has it registered (0: no check)")
 	fs.DurationVar(&th.MaxScheduledOverdue, "max-scheduled-overdue", time.Minute, "stuck when a scheduled message (outbox.DeliverAt) waits longer than this past its due time: no relay moves scheduled messages (0: no check)")
 	fs.DurationVar(&th.MaxReplayWait, "max-replay-wait", time.Minute, "stuck when an inbox replay request (onceflow inbox poison replay) waits longer than this: no process of its consumer applies replays (0: no check)")
+	fs.DurationVar(&th.MaxLaneWait, "max-lane-wait", time.Hour, "stuck when a key has waited longer than this in an inbox consumer's retry lane (inbox.RetryAfter): its provider may be down; onceflow inbox parked lists them (0: no check)")
+	fs.DurationVar(&th.MaxLaneLag, "max-lane-lag", 5*time.Minute, "stuck when a message of an inbox consumer's retry lane is due longer ago than this and still parked: no process of that consumer applies the lane (0: no check)")
 	windowText := fs.String("window", c.envOr("ONCEFLOW_RETENTION_WINDOW", strings.TrimSuffix(inbox.DefaultWindow.String(), "0m0s")),
 		"retention window of processed_event and finished sagas, as given to cleanup [ONCEFLOW_RETENTION_WINDOW]")
 	if err := parse(fs, args); err != nil {
@@ -67,8 +70,9 @@ func (c *cli) runStatus(ctx context.Context, args []string) error {
 	if th.MaxOldest <= 0 || th.MaxHeartbeat <= 0 {
 		problems = append(problems, errors.New("--max-oldest-age and --max-heartbeat-age must be positive"))
 	}
-	if th.MaxParked < 0 || th.MaxRetention < 0 || th.MaxStuckSagas < 0 || th.MaxSagaAge < 0 || th.MaxPoison < 0 || th.MaxTimerLag < 0 || th.MaxReplayWait < 0 || th.MaxVersionWait < 0 || th.MaxScheduledOverdue < 0 {
-		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age, --max-inbox-poison, --max-timer-lag, --max-replay-wait, --max-version-wait and --max-scheduled-overdue must be 0 or more"))
+	if th.MaxParked < 0 || th.MaxRetention < 0 || th.MaxStuckSagas < 0 || th.MaxSagaAge < 0 || th.MaxPoison < 0 || th.MaxTimerLag < 0 || th.MaxReplayWait < 0 || th.MaxVersionWait < 0 || th.MaxScheduledOverdue < 0 ||
+		th.MaxLaneWait < 0 || th.MaxLaneLag < 0 {
+		problems = append(problems, errors.New("--max-parked, --max-retention-backlog, --max-stuck-sagas, --max-saga-age, --max-inbox-poison, --max-timer-lag, --max-replay-wait, --max-version-wait, --max-scheduled-overdue, --max-lane-wait and --max-lane-lag must be 0 or more"))
 	}
 	if fs.NArg() > 0 {
 		problems = append(problems, fmt.Errorf("unexpected arguments %q", fs.Args()))
@@ -181,6 +185,23 @@ func printStatus(w io.Writer, r *statusReport) error {
 		}
 	} else {
 		p.f("no inbox messages given up as poison\n")
+	}
+	if len(r.RetryLane) > 0 {
+		p.f("\nRETRY LANE\tPARKED\tKEYS\tLONGEST WAIT\tKEY\tNEXT DUE\n")
+		for _, l := range r.RetryLane {
+			key := l.OldestKey
+			if key == "" {
+				key = fmt.Sprintf("(none: row %d)", l.OldestID)
+			}
+			next := "-"
+			if l.NextDue != nil {
+				next = laneDue(l.NextDue, r.CheckedAt)
+			}
+			p.f("%s\t%s\t%s\t%s\t%s %s\t%s\n", l.Consumer, capped(l.Rows, l.RowsExact), capped(l.Keys, l.KeysExact),
+				time.Duration(l.OldestAgeSeconds*float64(time.Second)).Round(time.Second), l.OldestTopic, key, next)
+		}
+	} else {
+		p.f("no inbox messages parked in a retry lane\n")
 	}
 	return p.flush(tw)
 }
