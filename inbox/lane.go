@@ -71,7 +71,7 @@ func RetryAfter(err error, d time.Duration) error { return engine.NewRetryLater(
 
 // laneSQL holds the lane's statements.
 type laneSQL struct {
-	claimOne, check, behind, head, due, start, done, again, summary string
+	claimOne, check, behind, head, due, start, done, again string
 }
 
 func newLaneSQL(schema string) laneSQL {
@@ -117,8 +117,6 @@ func newLaneSQL(schema string) laneSQL {
 			WHERE p.id = nx.id`,
 		again: `UPDATE ` + t + ` SET attempts = attempts + $3::int, error = $4::text, due_at = now() + make_interval(secs => $5)
 			WHERE id = $1 AND consumer = $2`,
-		summary: `SELECT count(*), count(DISTINCT (topic, lane)) FILTER (WHERE lane IS NOT NULL) + count(*) FILTER (WHERE lane IS NULL),
-			min(parked_at) FROM ` + t + ` WHERE consumer = $1`,
 	}
 }
 

@@ -12,7 +12,7 @@ import (
 
 // Metrics implements inbox.Metrics with two Prometheus collectors:
 //
-//	onceflow_inbox_messages_total{consumer, result}   result: processed, duplicate, failed, no_key
+//	onceflow_inbox_messages_total{consumer, result}   result: processed, duplicate, failed, no_key, poisoned, parked
 //	onceflow_inbox_processing_seconds{consumer}       transaction time of processed messages
 type Metrics struct {
 	messages *prometheus.CounterVec
@@ -31,7 +31,7 @@ func New(reg prometheus.Registerer) (*Metrics, error) {
 	m := &Metrics{
 		messages: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: "onceflow", Subsystem: "inbox", Name: "messages_total",
-			Help: "Messages seen by the inbox middleware, by consumer and result (processed, duplicate, failed, no_key, poisoned).",
+			Help: "Messages seen by the inbox middleware, by consumer and result (processed, duplicate, failed, no_key, poisoned, parked).",
 		}, []string{"consumer", "result"}),
 		took: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Namespace: "onceflow", Subsystem: "inbox", Name: "processing_seconds",
