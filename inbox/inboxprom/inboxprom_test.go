@@ -22,13 +22,18 @@ func TestMetrics(t *testing.T) {
 	m.Duplicate("billing")
 	m.Failed("mailer")
 	m.NoKey("mailer")
+	m.Poisoned("mailer")
+	m.Parked("mailer")
+	m.Parked("mailer")
 	want := `
-# HELP onceflow_inbox_messages_total Messages seen by the inbox middleware, by consumer and result (processed, duplicate, failed, no_key, poisoned).
+# HELP onceflow_inbox_messages_total Messages seen by the inbox middleware, by consumer and result (processed, duplicate, failed, no_key, poisoned, parked).
 # TYPE onceflow_inbox_messages_total counter
 onceflow_inbox_messages_total{consumer="billing",result="duplicate"} 2
 onceflow_inbox_messages_total{consumer="billing",result="processed"} 1
 onceflow_inbox_messages_total{consumer="mailer",result="failed"} 1
 onceflow_inbox_messages_total{consumer="mailer",result="no_key"} 1
+onceflow_inbox_messages_total{consumer="mailer",result="parked"} 2
+onceflow_inbox_messages_total{consumer="mailer",result="poisoned"} 1
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "onceflow_inbox_messages_total"); err != nil {
 		t.Fatal(err)
