@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/onceflow/onceflow/internal/kafkatest"
 	"github.com/onceflow/onceflow/internal/testdb"
 	"github.com/onceflow/onceflow/relay"
@@ -50,7 +52,7 @@ func TestRelayFollowsAFailoverToAStandbyThatLagged(t *testing.T) {
 	c.waitDistinct(t, len(before)+len(lost), 60*time.Second)
 	eventually(t, 30*time.Second, "empty outbox", func() bool { return outboxCount(t, db) == 0 })
 
-	probe := func(what string) {
+	probe := func(db *testdb.DB, what string) {
 		var snap string
 		var last *int64
 		if err := db.Pool.QueryRow(ctx, `SELECT pg_current_snapshot()::text, pg_sequence_last_value(pg_get_serial_sequence($1, 'id')::regclass)`, db.Table("outbox")).Scan(&snap, &last); err != nil {
@@ -58,7 +60,7 @@ func TestRelayFollowsAFailoverToAStandbyThatLagged(t *testing.T) {
 		}
 		t.Logf("%s: snapshot %s, last id %v", what, snap, *last)
 	}
-	probe("old primary")
+	probe(db, "old primary")
 	if err := pair.Primary.Halt(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -68,15 +70,35 @@ func TestRelayFollowsAFailoverToAStandbyThatLagged(t *testing.T) {
 	if err := pair.Standby.Promote(ctx); err != nil {
 		t.Fatal(err)
 	}
-	probe("new primary")
-	after := writeEventsPrefix(t, db, topic, 40, 4, 2, "after-")
+	// The relay keeps the shared pool and meets its dead connections to the old primary; the
+	// test's own probe and writes use a fresh pool, since one query on a stale connection fails
+	// with "unexpected EOF" and the test's helpers do not retry.
+	app := freshPool(t, db)
+	probe(app, "new primary")
+	after := writeEventsPrefix(t, app, topic, 40, 4, 2, "after-")
 	got := c.waitDistinct(t, len(before)+len(lost)+len(after), 60*time.Second)
 	checkDelivery(t, append(append(append([]written{}, before...), lost...), after...), got)
-	eventually(t, 30*time.Second, "empty outbox", func() bool { return outboxCount(t, db) == 0 })
+	eventually(t, 30*time.Second, "empty outbox", func() bool { return outboxCount(t, app) == 0 })
 	rec.mu.Lock()
 	owned := rec.owned
 	rec.mu.Unlock()
 	if owned == 0 {
 		t.Fatal("the relay holds no shard after the failover")
 	}
+}
+
+// freshPool opens a second pool on db's server and schema, closed when the test ends.
+func freshPool(t *testing.T, db *testdb.DB) *testdb.DB {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = ""
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return &testdb.DB{Pool: pool, Schema: db.Schema, URL: db.URL}
 }
