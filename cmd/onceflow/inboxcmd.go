@@ -233,20 +233,9 @@ func (c *cli) inboxPoisonDelete(ctx context.Context, args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("unexpected arguments %q (pass the rows with --id)", fs.Args())
 	}
-	var ids []int64
-	var bad []string
-	for _, s := range splitList(*idsText) {
-		id, err := strconv.ParseInt(s, 10, 64)
-		if err != nil || id < 1 {
-			bad = append(bad, strconv.Quote(s))
-			continue
-		}
-		if !slices.Contains(ids, id) {
-			ids = append(ids, id)
-		}
-	}
-	if len(bad) > 0 {
-		return fmt.Errorf("--id: not row ids: %s", strings.Join(bad, ", "))
+	ids, err := parseRowIDs(*idsText)
+	if err != nil {
+		return err
 	}
 	if len(ids) == 0 {
 		fmt.Fprintln(c.stderr, "onceflow inbox poison delete: which rows? pass --id N[,M...] (see onceflow inbox poison)")
@@ -608,20 +597,9 @@ func (c *cli) inboxParkedRelease(ctx context.Context, args []string) error {
 	if fs.NArg() > 0 {
 		problems = append(problems, fmt.Errorf("unexpected arguments %q (pass the rows with --id, or --consumer)", fs.Args()))
 	}
-	var ids []int64
-	var bad []string
-	for _, s := range splitList(*idsText) {
-		id, err := strconv.ParseInt(s, 10, 64)
-		if err != nil || id < 1 {
-			bad = append(bad, strconv.Quote(s))
-			continue
-		}
-		if !slices.Contains(ids, id) {
-			ids = append(ids, id)
-		}
-	}
-	if len(bad) > 0 {
-		problems = append(problems, fmt.Errorf("--id: not row ids: %s", strings.Join(bad, ", ")))
+	ids, err := parseRowIDs(*idsText)
+	if err != nil {
+		problems = append(problems, err)
 	}
 	if set["limit"] && len(ids) > 0 {
 		problems = append(problems, errors.New("--limit bounds a release by --consumer; with --id every named row is released"))

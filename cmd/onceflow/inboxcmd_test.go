@@ -302,6 +302,9 @@ func TestInboxParkedCommands(t *testing.T) {
 		{[]string{"inbox", "parked", "--limit", "0"}, 1, "--limit is 0"},
 		{[]string{"inbox", "parked", "release"}, 2, "which heads?"},
 		{[]string{"inbox", "parked", "release", "--id", "x"}, 1, `--id: not row ids: "x"`},
+		{[]string{"inbox", "poison", "delete", "--id", "0,x"}, 1, `--id: not row ids: "0", "x"`},
+		{[]string{"inbox", "poison", "replay", "--id", "7,-1"}, 1, `--id: not row ids: "-1"; nothing requested`},
+		{[]string{"outbox", "parked", "--id", "1.5"}, 1, `--id: not row ids: "1.5"`},
 		{[]string{"inbox", "parked", "release", "--id", id(head), "--limit", "5"}, 1, "--limit bounds a release by --consumer"},
 	} {
 		r := runCmd(ctx, env, c.args...).expect(t, strings.Join(c.args, " "), c.code)

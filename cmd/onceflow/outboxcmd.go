@@ -75,18 +75,12 @@ func addFilterFlags(fs *flag.FlagSet) *filterFlags {
 
 func (f *filterFlags) filter() (relay.ParkedFilter, error) {
 	pf := relay.ParkedFilter{Topic: f.topic, Key: f.key}
+	ids, err := parseRowIDs(f.ids)
+	if err != nil {
+		return pf, err
+	}
+	pf.IDs = ids
 	var bad []string
-	for _, s := range splitList(f.ids) {
-		id, err := strconv.ParseInt(s, 10, 64)
-		if err != nil || id < 1 { // ids start at 1: --id 0 is a typo, not a filter
-			bad = append(bad, strconv.Quote(s))
-			continue
-		}
-		pf.IDs = append(pf.IDs, id)
-	}
-	if len(bad) > 0 {
-		return pf, fmt.Errorf("--id: not row ids: %s", strings.Join(bad, ", "))
-	}
 	for _, s := range splitList(f.eventIDs) {
 		if _, err := uuid.Parse(s); err != nil {
 			bad = append(bad, strconv.Quote(s))
@@ -97,6 +91,27 @@ func (f *filterFlags) filter() (relay.ParkedFilter, error) {
 		return pf, fmt.Errorf("--event-id: not event ids (UUIDs): %s", strings.Join(bad, ", "))
 	}
 	return pf, nil
+}
+
+// parseRowIDs reads --id's comma-separated row ids, each once. Ids start at 1: --id 0 is a
+// typo, not a filter, and is refused with the rest of what is not an id.
+func parseRowIDs(text string) ([]int64, error) {
+	var ids []int64
+	var bad []string
+	for _, s := range splitList(text) {
+		id, err := strconv.ParseInt(s, 10, 64)
+		if err != nil || id < 1 {
+			bad = append(bad, strconv.Quote(s))
+			continue
+		}
+		if !slices.Contains(ids, id) {
+			ids = append(ids, id)
+		}
+	}
+	if len(bad) > 0 {
+		return nil, fmt.Errorf("--id: not row ids: %s", strings.Join(bad, ", "))
+	}
+	return ids, nil
 }
 
 func splitList(s string) []string {

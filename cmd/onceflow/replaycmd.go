@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -55,20 +54,11 @@ func (c *cli) inboxPoisonReplay(ctx context.Context, args []string) error {
 		return err
 	}
 	f := inbox.ReplayFilter{Consumer: *consumer, ErrorContains: *errText, All: *all, DryRun: *dryRun, Limit: *limit, By: c.operator()}
-	var bad []string
-	for _, s := range splitList(*idsText) {
-		id, err := strconv.ParseInt(s, 10, 64)
-		if err != nil || id < 1 { // ids start at 1: --id 0 is a typo, not a filter
-			bad = append(bad, strconv.Quote(s))
-			continue
-		}
-		if !slices.Contains(f.IDs, id) {
-			f.IDs = append(f.IDs, id)
-		}
+	ids, err := parseRowIDs(*idsText)
+	if err != nil {
+		return fmt.Errorf("%w; nothing requested", err)
 	}
-	if len(bad) > 0 {
-		return fmt.Errorf("--id: not row ids: %s; nothing requested", strings.Join(bad, ", "))
-	}
+	f.IDs = ids
 	if *idsText != "" && len(f.IDs) == 0 {
 		return errors.New("--id: no row id given; nothing requested")
 	}
