@@ -128,8 +128,6 @@ func TestPostgresRestartLeavesNoSagaStuck(t *testing.T) {
 	forModes(t, func(t *testing.T, batched bool) {
 		srv, db := testdb.NewServer(t)
 		w := newWorldOn(t, db, batched, checkoutDef(t, func(_ string, s *saga.StepDef[Checkout]) { s.Timeout(30 * time.Second) }))
-		stop := w.throughKafka(kafkatest.Brokers(t, 4))
-		defer stop()
 		const sagas = 200
 		ids := make([]string, sagas)
 		for i := range ids {
@@ -144,6 +142,11 @@ func TestPostgresRestartLeavesNoSagaStuck(t *testing.T) {
 			})
 		}
 		writers.Wait()
+		// The relay, the orchestrator and the participants start only now, with every saga
+		// written: started before, they could finish the sagas as fast as the writers start
+		// them, and the restart would find nothing in flight.
+		stop := w.throughKafka(kafkatest.Brokers(t, 4))
+		defer stop()
 		// The test's own queries go through a connection of their own each time: a pooled one
 		// from before a restart fails once, and that is the library's to handle, not the test's.
 		count := func(sql string) (int, error) {
