@@ -7,7 +7,7 @@ BIN      := $(CURDIR)/bin
 # BENCH_FLAGS is passed to the bench program, e.g. `make bench BENCH_FLAGS=-only=outbox_write`.
 BENCH_FLAGS ?=
 
-.PHONY: test lint bench demo demo-core build examples
+.PHONY: test lint bench demo demo-ha demo-core build examples
 
 ## test: check the prerequisites README.md lists (fails in a second, one line per missing tool),
 ## then go vet and every test with the race detector (starts its own Postgres, Redis and kfake); then
@@ -61,6 +61,11 @@ examples:
 ## each with its own schema and `onceflow relay`; retries, duplicates, crashes; then checks the invariants
 demo: build examples
 	$(GO) run ./examples/demo -bin bin
+
+## demo-ha: the same shop on a PostgreSQL primary and a synchronous standby (one multi-host URL); the
+## primary is killed mid-stream and the standby promoted; the same invariants
+demo-ha: build examples
+	$(GO) run ./examples/demo -bin bin -ha
 
 ## demo-core: producers → outbox → `onceflow relay` (killed and restarted) → Kafka → inbox consumer, then checks the invariants
 demo-core: build

@@ -142,6 +142,9 @@ func (s *shop) check(ctx context.Context, o options, lost int) ([]row, error) {
 			fmt.Sprintf("%d + %d kills, %d + %d restarts", s.relays["orders"].kills, s.payments.kills, s.relays["orders"].restarts, s.payments.restarts),
 			s.relays["orders"].kills == 1 && s.payments.kills == 1 && s.relays["orders"].restarts == 1 && s.payments.restarts == 1},
 	}
+	if o.ha {
+		rows = append(rows, row{"PostgreSQL failover: primary killed, synchronous standby promoted", fmt.Sprintf("%d failover", s.failovers), s.failovers == 1})
+	}
 	return rows, nil
 }
 

@@ -18,6 +18,11 @@
 //
 // With nothing configured it starts a throwaway PostgreSQL and an in-process Kafka (kfake);
 // with DATABASE_URL / KAFKA_BROKERS set it uses those (in schemas and topics of its own).
+//
+// With -ha (make demo-ha) PostgreSQL is a primary and a synchronous streaming standby, every
+// service and relay connects with one multi-host URL (target_session_attrs=read-write), and
+// the faults add a failover: the primary is killed mid-stream and the standby promoted. The
+// invariants are the same.
 package main
 
 import (
@@ -32,6 +37,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -59,6 +65,7 @@ type options struct {
 	outage            time.Duration
 	retryAfter        time.Duration
 	timeout           time.Duration
+	ha                bool
 }
 
 func main() {
@@ -73,6 +80,7 @@ func main() {
 	flag.DurationVar(&o.outage, "outage", 600*time.Millisecond, "how long each of the payment provider's three outages lasts (0: none)")
 	flag.DurationVar(&o.retryAfter, "retry-after", 750*time.Millisecond, "the wait a charge refused by the provider asks for (inbox.RetryAfter)")
 	flag.DurationVar(&o.timeout, "timeout", 50*time.Second, "give up if the shop has not settled by then")
+	flag.BoolVar(&o.ha, "ha", false, "PostgreSQL as a primary and a synchronous standby: the primary is killed mid-stream and the standby promoted (make demo-ha; DATABASE_URL must be unset)")
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -103,6 +111,7 @@ type shop struct {
 	rep                                     *replayer
 	start                                   time.Time
 	outages                                 atomic.Int64 // the payment provider's, injected
+	failovers                               int          // with -ha: primaries killed, standbys promoted
 }
 
 func (s *shop) services() []*svc { return []*svc{s.orders, s.inventory, s.payments, s.projection} }
@@ -139,13 +148,19 @@ func run(ctx context.Context, o options) (bool, error) {
 	// Infrastructure: embedded unless configured. On real servers the run gets schemas and
 	// topics of its own.
 	schemaPrefix, topicPrefix := "", ""
-	infra, err := platform.StartEmbedded(ctx)
+	start := platform.StartEmbedded
+	if o.ha {
+		start = platform.StartEmbeddedPair
+	}
+	infra, err := start(ctx)
 	if err != nil {
 		return false, err
 	}
 	defer infra.Stop()
 	dbURL, brokers := infra.DatabaseURL, infra.Brokers
-	if infra.StartedDB {
+	if o.ha {
+		fmt.Println("▸ PostgreSQL: a primary and a synchronous streaming standby, one multi-host URL (target_session_attrs=read-write)")
+	} else if infra.StartedDB {
 		fmt.Println("▸ PostgreSQL: a throwaway cluster from the installed binaries (DATABASE_URL unset)")
 	} else {
 		schemaPrefix = "demo_" + randomHex(3) + "_"
@@ -244,6 +259,9 @@ func run(ctx context.Context, o options) (bool, error) {
 	faults := []fault{
 		{at: total * 30 / 100, do: func() error { return s.restart(ctx, s.relays["orders"], nil) }},
 		{at: total * 55 / 100, do: func() error { return s.restart(ctx, s.payments.proc, s.payments) }},
+	}
+	if o.ha { // between the two crashes, in the order they fire
+		faults = slices.Insert(faults, 1, fault{at: total * 42 / 100, do: func() error { return s.failover(ctx, infra) }})
 	}
 	octx, stopOutages := context.WithCancel(ctx)
 	var outages sync.WaitGroup
@@ -367,6 +385,21 @@ func (s *shop) providerOutages(ctx context.Context, orders int, d time.Duration)
 		s.outages.Add(1)
 		fmt.Printf("  ✗ the payment provider is down for %s, after %d charges: it answers \"unavailable\"\n", d, charges)
 	}
+}
+
+// failover kills the PostgreSQL primary mid-stream and promotes its synchronous standby. The
+// services and relays find the new primary through their multi-host URL; the demo's own pool
+// drops its connections to the dead one, which a query would otherwise meet first.
+func (s *shop) failover(ctx context.Context, infra *platform.Embedded) error {
+	t0 := time.Now()
+	if err := infra.Failover(ctx); err != nil {
+		return err
+	}
+	s.failovers++
+	s.pool.Reset()
+	fmt.Printf("  ✗ PostgreSQL primary killed (pg_ctl stop -m immediate) after %d orders; the standby was promoted %.1fs later\n",
+		s.client.accepted.Load(), time.Since(t0).Seconds())
+	return nil
 }
 
 // restart SIGKILLs p mid-stream and starts it again a second later.

@@ -18,6 +18,16 @@ func TestMain(m *testing.M) { onceflowtest.Main(m) }
 // duplicates, provider outages (charges retried later), reminders scheduled and withdrawn,
 // lost dedup rows, and every invariant checked.
 func TestDemo(t *testing.T) {
+	runShortDemo(t, false)
+}
+
+// TestDemoHA runs a shortened `make demo-ha`: the same shop on a primary and a synchronous
+// standby, whose primary is killed mid-stream and the standby promoted; every invariant holds.
+func TestDemoHA(t *testing.T) {
+	runShortDemo(t, true)
+}
+
+func runShortDemo(t *testing.T, ha bool) {
 	if testing.Short() {
 		t.Skip("builds five binaries and runs the shop for about 15s")
 	}
@@ -36,7 +46,7 @@ func TestDemo(t *testing.T) {
 	defer cancel()
 	ok, err := run(ctx, options{bin: bin, ordersPerCustomer: 10, duration: 3 * time.Second, replay: 0.1,
 		limit: 20_000, lostDedup: 2, remindAfter: 2 * time.Second, outage: 600 * time.Millisecond, retryAfter: 750 * time.Millisecond,
-		timeout: 60 * time.Second})
+		timeout: 60 * time.Second, ha: ha})
 	if err != nil {
 		t.Fatal(err)
 	}
