@@ -3,8 +3,9 @@ package inboxprom_test
 import (
 	"testing"
 
-	"github.com/onceflow/onceflow/internal/testutil"
+	"github.com/onceflow/onceflow/internal/testdb"
 )
 
-// TestMain fails the run when a test leaves goroutines behind.
-func TestMain(m *testing.M) { testutil.Main(m) }
+// TestMain stops the test cluster, if a test started one, and fails the run when a test
+// leaves goroutines behind.
+func TestMain(m *testing.M) { testdb.Main(m) }
