@@ -279,16 +279,20 @@ func run(ctx context.Context, o options) (bool, error) {
 	stopOutages()
 	outages.Wait()
 	hits := s.payments.counters.get("unique_constraint_hits")
-	lost, err := s.loseDedup(ctx, o.lostDedup)
+	redelivered, err := s.loseDedup(ctx, o.lostDedup)
 	if err != nil {
 		return false, err
 	}
+	lost := len(redelivered)
 	if lost > 0 {
 		fmt.Printf("  ✗ deleted the payments dedup rows of %d confirmed orders and redelivered their charges (an early retention cleanup, a consumer group reset)\n", lost)
 		want := hits + int64(lost)
 		for s.payments.counters.get("unique_constraint_hits") < want && time.Now().Before(deadline) {
 			time.Sleep(100 * time.Millisecond)
 			s.payments.counters.poll(s.payments.addr)
+		}
+		if s.payments.counters.get("unique_constraint_hits") < want {
+			s.explainRedelivered(ctx, redelivered)
 		}
 	}
 	if err := s.settle(ctx, deadline); err != nil {
@@ -501,18 +505,18 @@ func (s *shop) settle(ctx context.Context, deadline time.Time) error {
 
 // loseDedup deletes the payments service's dedup (and barrier) rows of n confirmed orders'
 // charges and redelivers the charge commands: the first barrier no longer knows them.
-func (s *shop) loseDedup(ctx context.Context, n int) (int, error) {
+func (s *shop) loseDedup(ctx context.Context, n int) ([]string, error) {
 	rows, err := s.pool.Query(ctx, `SELECT id::text FROM `+t(s.orders, "orders")+` WHERE status = 'confirmed' ORDER BY created_at LIMIT 50`)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	ids, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	done := 0
+	var done []string
 	for _, id := range ids {
-		if done == n {
+		if len(done) == n {
 			break
 		}
 		rec := s.rep.charge(id)
@@ -524,10 +528,29 @@ func (s *shop) loseDedup(ctx context.Context, n int) (int, error) {
 			return done, err
 		}
 		if s.rep.produce(ctx, rec, false) {
-			done++
+			done = append(done, id)
 		}
 	}
 	return done, nil
+}
+
+// explainRedelivered says, for charges redelivered by loseDedup that payments did not catch in
+// time, how far each got: consumed (its dedup rows are back) or not, and how often the
+// provider saw its key.
+func (s *shop) explainRedelivered(ctx context.Context, orders []string) {
+	for _, id := range orders {
+		var dedup, requests int64
+		err := s.pool.QueryRow(ctx, `SELECT
+			(SELECT count(*) FROM `+t(s.payments, "processed_event")+` WHERE consumer = 'payments' AND dedup_key LIKE '%' || $1 || '":"charge":%'),
+			(SELECT coalesce(max(requests), 0) FROM `+t(s.payments, "fake_provider_charge")+` WHERE idempotency_key = 'saga:' || $1 || ':charge')`,
+			id).Scan(&dedup, &requests)
+		if err != nil {
+			fmt.Printf("  ✗ order %s's redelivered charge: %v\n", id, err)
+			continue
+		}
+		fmt.Printf("  ✗ order %s's redelivered charge not caught in time: %d dedup rows of its charge now (0: not consumed yet), the provider saw its key %d times\n",
+			id, dedup, requests)
+	}
 }
 
 // dropSchemas removes the run's schemas from a real server (an embedded one is removed whole).
