@@ -278,6 +278,12 @@ func run(ctx context.Context, o options) (bool, error) {
 	}
 	stopOutages()
 	outages.Wait()
+	// The last outage may have begun just before the traffic settled. A charge redelivered
+	// while it lasts is refused and answered "retry later" to a saga that has finished, which
+	// re-sends nothing: the second barrier would never see it.
+	if err := s.waitProviderUp(ctx, deadline); err != nil {
+		return false, err
+	}
 	hits := s.payments.counters.get("unique_constraint_hits")
 	redelivered, err := s.loseDedup(ctx, o.lostDedup)
 	if err != nil {
@@ -532,6 +538,25 @@ func (s *shop) loseDedup(ctx context.Context, n int) ([]string, error) {
 		}
 	}
 	return done, nil
+}
+
+// waitProviderUp returns once no outage of the fake payment provider is under way.
+func (s *shop) waitProviderUp(ctx context.Context, deadline time.Time) error {
+	for {
+		var down bool
+		if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM `+t(s.payments, "fake_provider_outage")+`
+			WHERE clock_timestamp() >= down_from AND clock_timestamp() < down_until)`).Scan(&down); err != nil || !down {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return errors.New("the payment provider's outage did not end in time")
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // explainRedelivered says, for charges redelivered by loseDedup that payments did not catch in
