@@ -509,6 +509,10 @@ func (s *shop) settle(ctx context.Context, deadline time.Time) error {
 	}
 }
 
+// chargeDedupRows selects, in payments' processed_event, the dedup and barrier rows of the
+// charge step of the saga (order) $1.
+const chargeDedupRows = `consumer = 'payments' AND dedup_key LIKE '%' || $1 || '":"charge":%'`
+
 // loseDedup deletes the payments service's dedup (and barrier) rows of n confirmed orders'
 // charges and redelivers the charge commands: the first barrier no longer knows them.
 func (s *shop) loseDedup(ctx context.Context, n int) ([]string, error) {
@@ -529,8 +533,7 @@ func (s *shop) loseDedup(ctx context.Context, n int) ([]string, error) {
 		if rec == nil {
 			continue
 		}
-		if _, err := s.pool.Exec(ctx, `DELETE FROM `+t(s.payments, "processed_event")+
-			` WHERE consumer = 'payments' AND dedup_key LIKE '%' || $1 || '":"charge":%'`, id); err != nil {
+		if _, err := s.pool.Exec(ctx, `DELETE FROM `+t(s.payments, "processed_event")+` WHERE `+chargeDedupRows, id); err != nil {
 			return done, err
 		}
 		if s.rep.produce(ctx, rec, false) {
@@ -566,7 +569,7 @@ func (s *shop) explainRedelivered(ctx context.Context, orders []string) {
 	for _, id := range orders {
 		var dedup, requests int64
 		err := s.pool.QueryRow(ctx, `SELECT
-			(SELECT count(*) FROM `+t(s.payments, "processed_event")+` WHERE consumer = 'payments' AND dedup_key LIKE '%' || $1 || '":"charge":%'),
+			(SELECT count(*) FROM `+t(s.payments, "processed_event")+` WHERE `+chargeDedupRows+`),
 			(SELECT coalesce(max(requests), 0) FROM `+t(s.payments, "fake_provider_charge")+` WHERE idempotency_key = 'saga:' || $1 || ':charge')`,
 			id).Scan(&dedup, &requests)
 		if err != nil {
