@@ -61,6 +61,7 @@ func failover(t *testing.T, sync bool, lag, stepTimeout time.Duration) figures {
 	if err := w.pair.Standby.Promote(ctx); err != nil {
 		t.Fatal(err)
 	}
+	w.promoted()
 	promoted := time.Now()
 	atPromotion, _ := w.counts()
 	t.Logf("primary killed; standby promoted %s later", promoted.Sub(killed).Round(time.Millisecond))
@@ -94,7 +95,7 @@ func failover(t *testing.T, sync bool, lag, stepTimeout time.Duration) figures {
 	// What the new primary has.
 	ledger := w.queryIDs(`SELECT event_id::text FROM ` + w.db.Table("ledger"))
 	effects := map[string]int{}
-	rows, err := w.db.Pool.Query(ctx, `SELECT event_id::text, count(*) FROM `+w.db.Table("effect")+` GROUP BY 1`)
+	rows, err := w.reads.Query(ctx, `SELECT event_id::text, count(*) FROM `+w.db.Table("effect")+` GROUP BY 1`)
 	if err != nil {
 		t.Fatal(err)
 	}

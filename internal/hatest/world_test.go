@@ -35,9 +35,13 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 // writers, a relay, a batched inbox consumer, saga starters, two participants and the
 // orchestrator, each on a pool of its own (as separate services would be).
 type world struct {
-	t       *testing.T
-	pair    *testdb.Pair
-	db      *testdb.DB
+	t    *testing.T
+	pair *testdb.Pair
+	db   *testdb.DB
+	// reads is the pool of the test's own queries (count, queryIDs): db.Pool until a
+	// promotion, then a pool opened after it (promoted), so that no test query meets a
+	// connection to the dead primary; meeting those is the components' job, not the test's.
+	reads   *pgxpool.Pool
 	brokers []string
 	topic   string // the writers' events
 	def     *saga.Definition[order]
@@ -87,7 +91,7 @@ var stepNames = []string{"reserve", "charge"}
 func newWorld(t *testing.T, sync bool, stepTimeout time.Duration) *world {
 	t.Helper()
 	pair, db := testdb.NewPair(t, sync)
-	w := &world{t: t, pair: pair, db: db, brokers: kafkatest.Brokers(t, 4), topic: kafkatest.Topic("ha-events")}
+	w := &world{t: t, pair: pair, db: db, reads: db.Pool, brokers: kafkatest.Brokers(t, 4), topic: kafkatest.Topic("ha-events")}
 	w.suffix = w.topic[len("ha-events-"):]
 	ctx := context.Background()
 	if _, err := db.Pool.Exec(ctx, `
@@ -120,6 +124,9 @@ func newWorld(t *testing.T, sync bool, stepTimeout time.Duration) *world {
 }
 
 func (w *world) sagaTopic(kind, name string) string { return kind + "." + name + "." + w.suffix }
+
+// promoted is called once the standby is the primary: the test's own queries move to a new pool.
+func (w *world) promoted() { w.reads = w.pool(2) }
 
 // pool is a component's own pool on the multi-host URL.
 func (w *world) pool(maxConns int32) *pgxpool.Pool {
@@ -395,7 +402,7 @@ func (w *world) readTopic() []record {
 // queryIDs returns the first column of sql's rows as a set.
 func (w *world) queryIDs(sql string) map[string]bool {
 	w.t.Helper()
-	rows, err := w.db.Pool.Query(context.Background(), sql)
+	rows, err := w.reads.Query(context.Background(), sql)
 	if err != nil {
 		w.t.Fatal(err)
 	}
@@ -413,7 +420,7 @@ func (w *world) queryIDs(sql string) map[string]bool {
 func (w *world) count(sql string) int {
 	w.t.Helper()
 	var n int
-	if err := w.db.Pool.QueryRow(context.Background(), sql).Scan(&n); err != nil {
+	if err := w.reads.QueryRow(context.Background(), sql).Scan(&n); err != nil {
 		w.t.Fatal(err)
 	}
 	return n
